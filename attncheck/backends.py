@@ -1,0 +1,106 @@
+"""How a kernel runs: the backends of the gate.
+
+- ``interpret``: Pallas TPU interpret mode on CPU. Uninitialised memory is NaN (scratch read
+  before it is written poisons the result instead of reading a lucky zero) and
+  out-of-bounds reads raise with the exact range.
+- ``interpret-hazards``: the same, plus the race detector with two simulated cores (so
+  "parallel" grid dimensions are really split, as on a megacore chip), a shuffled parallel
+  grid order, and DMAs executed only when waited on (a buffer read before ``wait()`` sees
+  stale data). Variants rotate per case so every mode gets exercised in one run.
+- ``tpu-lower``: ``jax.export`` for platform ``tpu`` of forward and gradient: proves the
+  kernel lowers to Mosaic without a TPU; compares no numerics.
+- ``tpu``: native execution when ``jax.devices()`` are TPUs.
+- ``xla``: pure-JAX kernels on the default device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+INTERPRET_BASE = dict(uninitialized_memory="nan", out_of_bounds_reads="raise")
+# Hazard variants: each case runs under one of these, picked from the case's seed, so the
+# run as a whole exercises races on 2 cores, a random parallel grid order, and both DMA
+# execution modes (on_wait exposes reads before wait(); eager is what a lax TPU does).
+HAZARD_VARIANTS = (
+    dict(detect_races=True, num_cores_or_threads=2, dma_execution_mode="on_wait"),
+    dict(detect_races=True, num_cores_or_threads=1, random_seed=1, dma_execution_mode="eager"),
+    dict(detect_races=True, num_cores_or_threads=2, random_seed=7, dma_execution_mode="on_wait"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    kind: str  # "pallas" backends run Pallas kernels; "xla" runs pure-JAX ones
+    compares_numerics: bool
+    description: str
+    probe: Callable[[], str | None]  # None when available, else the reason it is not
+    variants: tuple[dict, ...] = ()
+
+    def unavailable_reason(self) -> str | None:
+        return self.probe()
+
+    def settings(self, seed: int = 0) -> dict:
+        """The interpreter settings a case with this seed runs under ({} when native)."""
+        if not self.name.startswith("interpret"):
+            return {}
+        variant = self.variants[seed % len(self.variants)] if self.variants else {}
+        return {**INTERPRET_BASE, **variant}
+
+    @contextlib.contextmanager
+    def context(self, seed: int = 0) -> Iterator[None]:
+        """Run the kernel under this backend."""
+        settings = self.settings(seed)
+        if settings:
+            try:
+                with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):
+                    yield
+            except BaseException:
+                # The interpreter's shared state is left inconsistent by an exception.
+                pltpu.reset_tpu_interpret_mode_state()
+                raise
+        else:
+            yield
+
+
+def _always() -> str | None:
+    return None
+
+
+def _tpu_present() -> str | None:
+    platforms = sorted({d.platform for d in jax.devices()})
+    if "tpu" in platforms:
+        return None
+    return f"no TPU: jax.devices() are {', '.join(platforms)}"
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("interpret", "pallas", True, "Pallas TPU interpret mode on CPU (NaN-filled "
+                "uninitialised memory, out-of-bounds reads raise)", _always),
+        Backend("interpret-hazards", "pallas", True, "interpret mode with race detection on 2 "
+                "cores, shuffled parallel grid order, DMA on_wait/eager", _always, HAZARD_VARIANTS),
+        Backend("tpu-lower", "pallas", False, "jax.export to platform tpu of forward and "
+                "gradient (Mosaic lowering, no numerics)", _always),
+        Backend("tpu", "pallas", True, "native TPU execution", _tpu_present),
+        Backend("xla", "xla", True, "pure JAX on the default device", _always),
+    )
+}
+
+
+def parse_backend_option(value: str | None) -> list[str]:
+    """The names the user asked for (``None`` or "" means every backend)."""
+    if not value:
+        return list(BACKENDS)
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ValueError(f"--attncheck-backend: unknown backend(s) {unknown}; "
+                         f"known: {', '.join(BACKENDS)}")
+    return names

@@ -1,0 +1,79 @@
+"""The naive XLA attention in the kernel's working precision: the yardstick of the policy.
+
+It is what a careful user would write without a kernel: logits accumulated in float32 from
+inputs in their own dtype, a float32 softmax, probabilities rounded to the value dtype for
+the second matmul, the output rounded to the input dtype; gradients by ``jax.vjp`` of that.
+Its distance to the float64 oracle says how much error the working precision itself
+costs, which is what the tolerance is scaled by. It is NOT an oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite, so fully masked rows become a uniform softmax (the "mean_of_v" convention) and
+# never a NaN that a jnp.where would still leak into gradients.
+_MASKED_LOGIT = -1e30
+
+
+def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_segment_ids=None):
+    """[B|1, 1, Q, K] bool: key j visible to query i (positions [Q] or [B, Q])."""
+    q_pos = np.asarray(q_pos)[..., :, None]
+    kv_pos = np.asarray(kv_pos)[..., None, :]
+    visible = np.ones(np.broadcast_shapes(q_pos.shape, kv_pos.shape), dtype=bool)
+    if causal:
+        visible &= kv_pos <= q_pos
+    if window is not None:
+        visible &= (q_pos - kv_pos) < window
+    if q_segment_ids is not None:
+        visible = visible & (np.asarray(q_segment_ids)[:, :, None] == np.asarray(kv_segment_ids)[:, None, :])
+    visible = visible.reshape((-1,) + visible.shape[-2:]) if visible.ndim == 3 else visible[None]
+    return visible[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "masked_rows"))
+def _attention(q, k, v, ab, bias, visible, *, scale, soft_cap, masked_rows):
+    group = q.shape[1] // k.shape[1]
+    k = jnp.repeat(k, group, axis=1)
+    v = jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+    if ab is not None:  # bias added before the scale (flash's (q.k + ab) * scale)
+        s = s + ab.astype(jnp.float32)
+    s = s * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(visible, s, _MASKED_LOGIT)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if masked_rows == "zero":
+        out = jnp.where(jnp.any(visible, axis=-1)[..., None], out, 0.0)
+    return out.astype(q.dtype)
+
+
+def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
+                         masked_rows="mean_of_v") -> dict[str, np.ndarray]:
+    """Baseline output and gradients ("out", "dq", "dk", "dv", and "dab"/"dbias" if given)."""
+    if visible is None:
+        visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
+    names = ["dq", "dk", "dv"] + (["dab"] if ab is not None else []) + (["dbias"] if bias is not None else [])
+    args = [q, k, v] + ([ab] if ab is not None else []) + ([bias] if bias is not None else [])
+
+    def f(*xs):
+        q_, k_, v_ = xs[:3]
+        rest = list(xs[3:])
+        ab_ = rest.pop(0) if ab is not None else None
+        bias_ = rest.pop(0) if bias is not None else None
+        return _attention(q_, k_, v_, ab_, bias_, visible, scale=scale, soft_cap=soft_cap,
+                          masked_rows=masked_rows)
+
+    out, vjp = jax.vjp(f, *[jnp.asarray(a) for a in args])
+    grads = vjp(jnp.asarray(d_out, dtype=out.dtype))
+    result = {"out": np.asarray(out)}
+    result.update({n: np.asarray(g) for n, g in zip(names, grads)})
+    return result

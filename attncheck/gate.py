@@ -1,0 +1,124 @@
+"""The check pipeline: run one case of one implementation on one backend, judge every
+direction against the oracle, and produce one record per comparison.
+
+Shared by the gate tests, ``attncheck repro`` and the mutation runner, so a reproducer
+reruns exactly what the gate ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+
+from attncheck import numerics
+from attncheck.backends import BACKENDS, Backend
+from attncheck.specs.base import Case, KernelSpec
+
+# A baseline this far from the oracle means the spec's mapping or the baseline is wrong,
+# and would inflate the tolerance: fail loudly instead of passing anything.
+MAX_BASELINE_ULPS = 4096.0
+
+
+@dataclasses.dataclass
+class Outcome:
+    records: list[dict]
+
+    @property
+    def failures(self) -> list[dict]:
+        return [r for r in self.records if r["outcome"] != "pass"]
+
+    def summary(self) -> str:
+        lines = [f"{r['kernel']}/{r['impl']} on {r['backend']}: {r['direction']} "
+                 f"{r['outcome'].upper()}: {r['reason']}\n  reproduce: {r['repro']}"
+                 for r in self.failures]
+        return "\n".join(lines)
+
+
+def repro_command(case: Case, impl_name: str, backend: str) -> str:
+    return f"attncheck repro {case.id} --impl {impl_name} --backend {backend}"
+
+
+def _base_record(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, backend: Backend) -> dict:
+    settings = backend.settings(case.seed)
+    return {
+        "case_id": case.id, "case": case.to_json(), "kernel": spec.name, "impl": impl_name,
+        "impl_ref": f"{impl.__module__}:{impl.__qualname__}",
+        "backend": backend.name, "backend_settings": {k: v for k, v in settings.items()},
+        "dtype": str(case.get("dtype", "")), "config": spec.shape_summary(case),
+        "seq_len": spec.seq_len(case), "device_count": spec.device_count(case),
+        "classes": sorted(spec.classes(case)), "repro": repro_command(case, impl_name, backend.name),
+    }
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 2000 else text[:2000] + " ..."
+
+
+def check_case(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, backend: Backend) -> Outcome:
+    base = _base_record(spec, impl_name, impl, case, backend)
+    if not backend.compares_numerics:
+        return _check_lowering(spec, impl, case, base)
+
+    timings = {}
+    start = time.perf_counter()
+    inputs = spec.inputs(case)
+    timings["inputs_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        with backend.context(case.seed):
+            got = spec.run(impl, case, inputs)
+    except Exception as exc:  # the kernel crashed: one error record, the test fails
+        return Outcome([{**base, "direction": "all", "outcome": "error", "reason": _error_text(exc),
+                         "traceback": traceback.format_exc(limit=8), "timings": timings}])
+    timings["kernel_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    truth = spec.oracle(case, inputs)
+    timings["oracle_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    reference = spec.baseline(case, inputs)
+    timings["baseline_s"] = time.perf_counter() - start
+    care = spec.care(case, inputs)
+    dtypes = spec.output_dtypes(case)
+
+    records = []
+    for direction in truth:
+        start = time.perf_counter()
+        if direction not in got:
+            records.append({**base, "direction": direction, "outcome": "error",
+                            "reason": f"implementation returned no {direction!r}", "timings": timings})
+            continue
+        cmp = numerics.compare(got[direction], truth[direction], reference[direction],
+                               dtype=dtypes[direction], direction=direction, care=care.get(direction))
+        outcome, reason = ("pass" if cmp.passed else "fail"), cmp.reason
+        if cmp.passed and cmp.baseline_ulps > MAX_BASELINE_ULPS:
+            outcome = "error"
+            reason = (f"baseline is {cmp.baseline_ulps:.0f} ulps from the oracle (> {MAX_BASELINE_ULPS:g}): "
+                      f"the spec's mapping or the baseline is wrong; refusing a tolerance built on it")
+        per_direction = dict(timings, compare_s=time.perf_counter() - start)
+        records.append({**base, "direction": direction, "dtype": str(np.dtype(dtypes[direction])),
+                        "outcome": outcome, "reason": reason, "metrics": cmp.to_json(),
+                        "budget": numerics._json_float(cmp.budget), "timings": per_direction})
+    return Outcome(records)
+
+
+def _check_lowering(spec: KernelSpec, impl: Callable, case: Case, base: dict) -> Outcome:
+    records = []
+    for direction, export in spec.lower(impl, case).items():
+        start = time.perf_counter()
+        try:
+            export()
+            outcome, reason = "pass", "lowered for platform tpu"
+        except Exception as exc:
+            outcome, reason = "fail", _error_text(exc)
+        records.append({**base, "direction": direction, "outcome": outcome, "reason": reason,
+                        "timings": {"lower_s": time.perf_counter() - start}})
+    return Outcome(records)
+
+
+def backend(name: str) -> Backend:
+    return BACKENDS[name]

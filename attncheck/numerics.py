@@ -1,0 +1,161 @@
+"""Error metrics and the tolerance policy.
+
+A kernel output is judged against the float64 oracle relative to how well the naive
+same-precision XLA implementation (the *baseline*) does on the same rounded inputs:
+
+    err_k   = max |kernel - oracle64|      over the elements the spec cares about
+    err_b   = max |baseline - oracle64|
+    allowed = R * err_b + A
+    pass   <=> err_k <= allowed  and  NaN/Inf positions (and Inf signs) agree exactly
+
+R is a property of the direction (outputs vs gradients: gradients go through one more
+reduction over the sequence, whose order differs legitimately between implementations).
+A is a floor of a few ulps of the *output* dtype at the oracle's magnitude, so that a
+baseline that happens to be exact (err_b == 0) cannot make the rule impossible to meet.
+Nothing here is tuned per test: a case that needs a wider tolerance is a finding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+# Outputs are a softmax-weighted average: the kernel may reassociate it (online softmax) but
+# should not be more than twice as far from the truth as the naive computation.
+R_OUTPUT = 2.0
+# Gradients add a reduction over the other sequence axis whose order is implementation
+# defined (blockwise accumulation vs one dot), so they get more room.
+R_GRADIENT = 3.0
+# The floor: this many ulps of the output dtype at the oracle's largest magnitude.
+FLOOR_ULPS = 4.0
+
+
+def r_for_direction(direction: str) -> float:
+    return R_OUTPUT if direction in ("out", "lse") else R_GRADIENT
+
+
+def dtype_eps(dtype) -> float:
+    return float(ml_dtypes.finfo(np.dtype(dtype)).eps)
+
+
+def dtype_tiny(dtype) -> float:
+    return float(ml_dtypes.finfo(np.dtype(dtype)).smallest_normal)
+
+
+def ulp_of(values: np.ndarray, dtype) -> np.ndarray:
+    """Spacing of `dtype` at each (float64) value: the size of one ulp there."""
+    finfo = ml_dtypes.finfo(np.dtype(dtype))
+    mantissa_bits = int(finfo.nmant)
+    magnitude = np.maximum(np.abs(values), float(finfo.smallest_normal))
+    exponent = np.floor(np.log2(magnitude))
+    return np.exp2(exponent - mantissa_bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Everything a report needs about one kernel-vs-oracle comparison."""
+
+    passed: bool
+    reason: str
+    max_abs: float
+    max_rel: float
+    mean_abs: float
+    ulp_p50: float
+    ulp_p99: float
+    ulp_max: float
+    cosine: float
+    baseline_err: float
+    baseline_ulps: float  # baseline error in ulps of the dtype at the oracle's magnitude
+    r: float
+    a: float
+    allowed: float
+    budget: float
+    worst_index: tuple[int, ...] | None
+    worst_kernel: float | None
+    worst_oracle: float | None
+    compared: int
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        return {k: _json_float(v) for k, v in out.items()}
+
+
+def _json_float(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan; keep it readable and lossless
+    return value
+
+
+def _nonfinite_mismatch(kernel: np.ndarray, oracle: np.ndarray) -> str | None:
+    for name, predicate in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
+        k, o = predicate(kernel), predicate(oracle)
+        if not np.array_equal(k, o):
+            where = np.argwhere(k != o)[0]
+            return (f"{name} positions differ: kernel has {int(k.sum())}, oracle has {int(o.sum())}; "
+                    f"first mismatch at index {tuple(int(i) for i in where)}")
+    return None
+
+
+def compare(kernel, oracle, baseline, *, dtype, direction: str, care=None) -> Comparison:
+    """Judge `kernel` (any float dtype) against `oracle` (float64) using `baseline`.
+
+    `dtype` is the dtype the kernel's output is delivered in (ulps are counted in it);
+    `care` is an optional boolean mask broadcastable to the arrays: False marks
+    don't-care elements (padding rows) that are excluded from every metric.
+    """
+    kernel = np.asarray(kernel, dtype=np.float64)
+    oracle = np.asarray(oracle, dtype=np.float64)
+    baseline = np.asarray(baseline, dtype=np.float64)
+    if kernel.shape != oracle.shape or baseline.shape != oracle.shape:
+        raise ValueError(f"{direction}: shapes differ: kernel {kernel.shape}, oracle {oracle.shape}, "
+                         f"baseline {baseline.shape}")
+    if care is None:
+        care = np.ones(oracle.shape, dtype=bool)
+    care = np.broadcast_to(np.asarray(care, dtype=bool), oracle.shape)
+    k, o, b = kernel[care], oracle[care], baseline[care]
+    r = r_for_direction(direction)
+    finite_o = o[np.isfinite(o)]
+    scale = float(np.max(np.abs(finite_o))) if finite_o.size else 0.0
+    a = FLOOR_ULPS * dtype_eps(dtype) * scale + dtype_tiny(dtype)
+
+    mismatch = _nonfinite_mismatch(k, o)
+    both_finite = np.isfinite(k) & np.isfinite(o)
+    kf, of, bf = k[both_finite], o[both_finite], b[both_finite]
+    abs_err = np.abs(kf - of)
+    baseline_finite = np.isfinite(bf)
+    baseline_err = float(np.max(np.abs(bf[baseline_finite] - of[baseline_finite]), initial=0.0))
+    allowed = r * baseline_err + a
+    max_abs = float(np.max(abs_err, initial=0.0))
+    rel_denominator = np.maximum(np.abs(of), dtype_eps(dtype) * max(scale, dtype_tiny(dtype)))
+    ulps = abs_err / ulp_of(of, dtype) if abs_err.size else np.zeros(1)
+    norm = float(np.linalg.norm(kf) * np.linalg.norm(of))
+    cosine = float(np.dot(kf, of) / norm) if norm > 0 else (1.0 if max_abs == 0 else 0.0)
+
+    worst_index = worst_kernel = worst_oracle = None
+    if abs_err.size:
+        flat_care = np.flatnonzero(care)[np.flatnonzero(both_finite)]
+        flat = int(flat_care[int(np.argmax(abs_err))])
+        worst_index = tuple(int(i) for i in np.unravel_index(flat, oracle.shape))
+        worst_kernel, worst_oracle = float(kernel[worst_index]), float(oracle[worst_index])
+
+    if mismatch:
+        passed, reason, budget = False, mismatch, math.inf
+    else:
+        budget = max_abs / allowed
+        passed = max_abs <= allowed
+        reason = ("ok" if passed else
+                  f"max abs error {max_abs:.3g} > allowed {allowed:.3g} "
+                  f"(= {r:g} x baseline error {baseline_err:.3g} + floor {a:.3g})")
+    return Comparison(
+        passed=passed, reason=reason, max_abs=max_abs,
+        max_rel=float(np.max(abs_err / rel_denominator, initial=0.0)),
+        mean_abs=float(np.mean(abs_err)) if abs_err.size else 0.0,
+        ulp_p50=float(np.percentile(ulps, 50)), ulp_p99=float(np.percentile(ulps, 99)),
+        ulp_max=float(np.max(ulps)), cosine=cosine, baseline_err=baseline_err,
+        baseline_ulps=baseline_err / float(ulp_of(np.array(scale), dtype)) if scale > 0 else 0.0, r=r, a=a,
+        allowed=allowed, budget=float(budget), worst_index=worst_index,
+        worst_kernel=worst_kernel, worst_oracle=worst_oracle, compared=int(care.sum()))

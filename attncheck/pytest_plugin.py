@@ -1,0 +1,141 @@
+"""pytest plugin: options, hypothesis profiles, multi-device setup, records and the merge.
+
+Loaded through the ``pytest11`` entry point, i.e. in every xdist worker before any test
+module imports jax: that is where the host-platform device count must be set.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+from attncheck import xla_env
+
+xla_env.configure_before_jax_import()
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+
+from attncheck.report import records as rec  # noqa: E402
+
+DEFAULT_REPORT_DIR = "reports/latest"
+# The CI profile skips shrinking: interpret mode makes each shrink step cost seconds, and
+# the recorded case id already is an exact, one-command reproducer.
+CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
+# Examples per (spec, backend) are set by each spec for the ci profile; others scale them.
+PROFILE_SCALE = {"dev": 0.34, "ci": 1.0, "nightly": 8.0}
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, print_blob=True, database=None, phases=CI_PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "dev", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "nightly", deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+
+
+def examples_for(base: int) -> int:
+    """Scale a spec's CI example count to the active hypothesis profile."""
+    scale = PROFILE_SCALE.get(settings.get_current_profile_name(), 1.0)
+    return max(1, round(base * scale))
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("attncheck")
+    group.addoption("--attncheck-backend", default=None,
+                    help="comma-separated backends to run (default: every available one)")
+    group.addoption("--attncheck-report", default=DEFAULT_REPORT_DIR,
+                    help="report directory (default: %(default)s)")
+    group.addoption("--attncheck-impl", action="append", default=[], metavar="FAMILY=MOD:FN",
+                    help="verify this implementation for a kernel family instead of the built-in one")
+    group.addoption("--attncheck-baseline", default=None, metavar="PATH",
+                    help="fail on a numerics regression against this baseline.json")
+    group.addoption("--attncheck-require-coverage", action="store_true",
+                    help="fail the run if a bug class that applies to a kernel was never exercised")
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def report_dir(config) -> pathlib.Path:
+    return pathlib.Path(config.getoption("--attncheck-report")).resolve()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if _is_worker(config):
+        config._attncheck_run_id = config.workerinput["attncheck_run_id"]
+        return
+    config._attncheck_run_id = f"{time.strftime('%Y%m%dT%H%M%S')}{os.getpid()}"
+    config._attncheck_started = time.time()
+    directory = report_dir(config)
+    rec.clear_records(directory)
+    if getattr(config.option, "xmlpath", None) is None and hasattr(config.option, "xmlpath"):
+        directory.mkdir(parents=True, exist_ok=True)
+        config.option.xmlpath = str(directory / "junit.xml")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["attncheck_run_id"] = node.config._attncheck_run_id
+
+
+def pytest_report_header(config):
+    from attncheck import backends
+
+    lines = []
+    for name, backend in backends.BACKENDS.items():
+        reason = backend.unavailable_reason()
+        lines.append(f"  {name}: {'available' if reason is None else 'skipped: ' + reason}")
+    return ["attncheck backends:", *lines,
+            f"attncheck report: {report_dir(config)}  hypothesis profile: "
+            f"{settings.get_current_profile_name()}"]
+
+
+@pytest.fixture(scope="session")
+def attncheck_writer(request):
+    config = request.config
+    worker = config.workerinput["workerid"] if _is_worker(config) else "main"
+    return rec.RecordWriter(report_dir(config), config._attncheck_run_id, worker)
+
+
+@pytest.fixture
+def attncheck_record(request, attncheck_writer):
+    """Write one record, stamped with the test that produced it."""
+
+    def write(record: dict) -> None:
+        attncheck_writer.write({**record, "nodeid": request.node.nodeid})
+
+    return write
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if _is_worker(config):
+        return
+    from attncheck.report import render
+
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop
+    result = render.write_reports(
+        report_dir(config), run_id=config._attncheck_run_id,
+        complete=not interrupted, selected_backends=config.getoption("--attncheck-backend"),
+        baseline_path=config.getoption("--attncheck-baseline"),
+        require_coverage=config.getoption("--attncheck-require-coverage"),
+        wall_s=time.time() - config._attncheck_started)
+    config._attncheck_gate_problems = result.problems
+    if result.problems and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _is_worker(config):
+        return
+    problems = getattr(config, "_attncheck_gate_problems", [])
+    terminalreporter.write_sep("=", "attncheck")
+    terminalreporter.write_line(f"report: {report_dir(config)}/report.md")
+    for problem in problems:
+        terminalreporter.write_line(f"GATE FAILURE: {problem}", red=True)

@@ -1,0 +1,76 @@
+"""Per-worker record files and their merge.
+
+Each pytest process (the xdist controller or a worker) appends JSON lines to its own file
+``<report>/records/<run_id>-<worker>.jsonl``, so parallel workers never share a file and
+never clobber each other. Only the controller merges, at session end; a run that died
+leaves its files behind and ``attncheck report`` can still merge them (marked incomplete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterable
+
+SCHEMA_VERSION = 1
+RECORDS_DIR = "records"
+
+
+class RecordWriter:
+    def __init__(self, report_dir: pathlib.Path, run_id: str, worker: str):
+        self.path = pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}-{worker}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self.worker = worker
+
+    def write(self, record: dict) -> None:
+        record = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "worker": self.worker, **record}
+        line = json.dumps(record, sort_keys=True, allow_nan=False)
+        # One write per complete line, flushed: an interrupted run loses at most the line
+        # being written, never corrupts earlier ones.
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+
+
+def clear_records(report_dir: pathlib.Path) -> None:
+    records = pathlib.Path(report_dir) / RECORDS_DIR
+    if records.is_dir():
+        for f in records.glob("*.jsonl"):
+            f.unlink()
+
+
+def read_records(report_dir: pathlib.Path, run_id: str | None = None) -> tuple[list[dict], list[str]]:
+    """All records of a run (the newest run if ``run_id`` is None), and problems found."""
+    files = sorted((pathlib.Path(report_dir) / RECORDS_DIR).glob("*.jsonl"))
+    if run_id is None and files:
+        run_id = max(files, key=os.path.getmtime).name.split("-")[0]
+    records, problems = [], []
+    for f in files:
+        if run_id is not None and not f.name.startswith(run_id + "-"):
+            continue
+        for lineno, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                problems.append(f"{f.name}:{lineno}: truncated record (interrupted write)")
+    records.sort(key=record_key)
+    return records, problems
+
+
+def record_key(record: dict) -> tuple:
+    return (record.get("kernel", ""), record.get("impl", ""), record.get("backend", ""),
+            record.get("case_id", ""), record.get("direction", ""), record.get("nodeid", ""))
+
+
+def duplicates(records: Iterable[dict]) -> list[tuple]:
+    seen, dup = set(), []
+    for r in records:
+        key = record_key(r)
+        if key in seen:
+            dup.append(key)
+        seen.add(key)
+    return dup

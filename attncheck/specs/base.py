@@ -1,0 +1,152 @@
+"""KernelSpec: everything the generic gate needs to know about one kernel family.
+
+A spec maps a family's calling convention and semantics onto the float64 oracle. The gate
+test is written once against this interface; adding a kernel family is adding a spec.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+# Directions: the forward output and each gradient get their own comparison and record.
+FORWARD = "out"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One drawn configuration: parameters plus the seed the inputs are made from.
+
+    Inputs are rebuilt from (params, seed) alone, so a case is small to record and exact
+    to replay (``attncheck repro CASE_ID``).
+    """
+
+    family: str
+    params: Mapping[str, Any]
+    seed: int
+
+    def __getitem__(self, key: str) -> Any:
+        return self.params[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+    def to_json(self) -> dict:
+        return {"family": self.family, "params": dict(self.params), "seed": self.seed}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Case:
+        return cls(data["family"], _freeze(data["params"]), int(data["seed"]))
+
+    @property
+    def id(self) -> str:
+        blob = json.dumps(self.to_json(), sort_keys=True, default=str)
+        return self.family + "-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def _freeze(value):
+    """JSON turns tuples into lists; params hold tuples so they stay hashable."""
+    if isinstance(value, dict):
+        return {k: _freeze(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def make_case(family: str, seed: int, **params) -> Case:
+    return Case(family, _freeze(params), seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class InvalidCall:
+    """A call a kernel must reject with its own clear error."""
+
+    description: str
+    call: Callable[[], Any]
+    error: type[BaseException]
+    match: str  # regex the message must contain (names the offending argument)
+
+
+class KernelSpec(abc.ABC):
+    """One kernel family: its implementations, cases, oracle mapping and baseline."""
+
+    name: str
+    # Implementation name -> "module:function" of the family's calling convention.
+    default_impls: Mapping[str, str]
+    backends: tuple[str, ...]
+    # Bug classes that apply to this family; each must be exercised in every gate run.
+    coverage_classes: tuple[str, ...] = ()
+    # Examples drawn per backend in the CI profile (the profile's max_examples scales these).
+    examples: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @abc.abstractmethod
+    def cases(self) -> st.SearchStrategy[Case]: ...
+
+    @abc.abstractmethod
+    def inputs(self, case: Case) -> dict[str, np.ndarray]:
+        """The rounded inputs (and cotangents) of a case, rebuilt from its seed."""
+
+    @abc.abstractmethod
+    def run(self, impl: Callable, case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Forward output and gradients, keyed by direction."""
+
+    @abc.abstractmethod
+    def lower(self, impl: Callable, case: Case) -> dict[str, Callable[[], Any]]:
+        """Direction -> a thunk exporting that computation for platform tpu."""
+
+    @abc.abstractmethod
+    def oracle(self, case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def baseline(self, case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def output_dtypes(self, case: Case) -> dict[str, Any]:
+        """Direction -> dtype the kernel delivers it in (ulps are counted in it)."""
+
+    def care(self, case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
+        """Direction -> mask of elements that count (False: don't-care padding)."""
+        return {}
+
+    @abc.abstractmethod
+    def classes(self, case: Case) -> list[str]:
+        """Bug classes this case exercises, computed from the case itself."""
+
+    def device_count(self, case: Case) -> int:
+        return int(case.get("devices", 1))
+
+    def shape_summary(self, case: Case) -> dict[str, Any]:
+        return dict(case.params)
+
+    def seq_len(self, case: Case) -> int:
+        """The sequence length plotted on the report's error-vs-length chart."""
+        return int(case.get("kv_len", case.get("seq_len", 0)))
+
+    def index_names(self, direction: str) -> tuple[str, ...] | None:
+        """Names of the axes of a direction's array, for reproducer messages."""
+        return None
+
+    def invalid_calls(self) -> st.SearchStrategy[InvalidCall]:
+        return st.nothing()
+
+
+def resolve_impl(ref: str) -> Callable:
+    """Import "package.module:function"."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"implementation reference {ref!r}: expected 'package.module:function'")
+    target = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target

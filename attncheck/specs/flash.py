@@ -1,0 +1,289 @@
+"""Flash attention family: ``flash_attention(q, k, v, ab=None, segment_ids=None, *, causal,
+sm_scale, block_sizes)`` on [B, H, S, D] (the convention of jax's bundled TPU kernel).
+
+Mapped onto the oracle:
+- logits = (q.k + ab) * sm_scale  ->  oracle bias = ab * sm_scale, d_ab = d_bias * sm_scale;
+- causal is top-left: key j visible to query i iff j <= i (positions 0..Q-1, 0..K-1);
+- segment ids: visible iff equal;
+- fully masked rows (a query whose segment id is absent from kv) get the additive mask
+  value on every logit, so the softmax is uniform: the output is the mean of v over all
+  keys ("mean_of_v"). With causal block skipping the kernel never visits blocks above the
+  diagonal, so that mean would depend on the block sizes: absent segments are drawn only
+  for non-causal cases. The *gradient* through such a row is implementation-defined (the
+  forward is constant in q and k after the mask value absorbs the logits, yet kernels,
+  jax's bundled one included, backpropagate the uniform softmax as if it were not): the
+  cotangent of those rows is zero, as it is when a user masks the loss on padding. A NaN
+  produced there still propagates (0 * NaN) and fails the case.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+from attncheck import baseline, oracle
+from attncheck import strategies as S
+from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+
+FAMILY = "flash_attention"
+SEQ_LENS = (128, 256, 384, 512)
+HEAD_DIMS = (64, 128)
+NUM_LANES = 128  # kv-side blocks are lane-dimension tiles
+# A query segment id that never occurs in kv: its rows are fully masked.
+ABSENT_SEGMENT = 1000
+BLOCK_FIELDS = ("block_q", "block_k_major", "block_k", "block_b", "block_q_major_dkv",
+                "block_k_major_dkv", "block_k_dkv", "block_q_dkv", "block_k_major_dq",
+                "block_k_dq", "block_q_dq")
+
+
+@st.composite
+def block_sizes(draw, q_len: int, kv_len: int) -> tuple[tuple[str, int], ...]:
+    """Valid block sizes for the shape; several per shape, k_major > k reachable."""
+    q_blocks = S.divisors(q_len, NUM_LANES)
+    k_majors = S.divisors(kv_len, NUM_LANES)
+    block_q = draw(st.sampled_from(q_blocks))
+    k_major = draw(st.sampled_from(k_majors))
+    block_k = draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))
+    q_major_dkv = draw(st.sampled_from(q_blocks))
+    k_major_dkv = draw(st.sampled_from(k_majors))
+    return (("block_q", block_q), ("block_k_major", k_major), ("block_k", block_k), ("block_b", 1),
+            ("block_q_major_dkv", q_major_dkv), ("block_k_major_dkv", k_major_dkv),
+            ("block_k_dkv", draw(st.sampled_from(S.divisors(k_major_dkv, NUM_LANES)))),
+            ("block_q_dkv", draw(st.sampled_from(S.divisors(q_major_dkv, NUM_LANES)))),
+            ("block_k_major_dq", draw(st.sampled_from(k_majors))),
+            ("block_k_dq", NUM_LANES), ("block_q_dq", draw(st.sampled_from(q_blocks))))
+
+
+@st.composite
+def flash_cases(draw) -> Case:
+    q_len = draw(st.sampled_from(SEQ_LENS))
+    kv_len = draw(st.sampled_from((q_len,) + SEQ_LENS))  # equal lengths are the common case
+    causal = draw(st.booleans())
+    segments = draw(st.sampled_from(("none", "packed") + (() if causal else ("absent",))))
+    head_dim = draw(st.sampled_from(HEAD_DIMS))
+    # batch * heads <= 2 keeps interpret-mode grids small; both axes still vary.
+    batch, heads = draw(st.sampled_from(((1, 1), (2, 1), (1, 2))))
+    return make_case(
+        FAMILY, draw(S.seeds), dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
+        q_len=q_len, kv_len=kv_len, head_dim=head_dim, causal=causal,
+        sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), 1.0))),
+        bias=draw(st.booleans()), segments=segments,
+        segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
+        values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len)))
+
+
+class FlashSpec(KernelSpec):
+    name = FAMILY
+    default_impls = {"builtin": "kernels.flash_attention:flash_attention"}
+    backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
+    coverage_classes = ("q_len_ne_kv_len", "causal", "fully_masked_row", "block_boundary_straddle",
+                        "multi_block_kv", "single_step_kv", "k_major_gt_k", "bias", "large_logits",
+                        "exact_ties", "bf16")
+    examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
+
+    def cases(self):
+        return flash_cases()
+
+    def inputs(self, case: Case) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(case.seed)
+        dt = S.dtype_of(case["dtype"])
+        b, h, q_len, kv_len, d = case["batch"], case["heads"], case["q_len"], case["kv_len"], case["head_dim"]
+        kind = case["values"]
+        out = {name: S.round_to(S.attention_values(rng, kind, shape, role=name), dt)
+               for name, shape in (("q", (b, h, q_len, d)), ("k", (b, h, kv_len, d)), ("v", (b, h, kv_len, d)),
+                                   ("d_out", (b, h, q_len, d)))}
+        if case["bias"]:
+            out["ab"] = S.round_to(rng.standard_normal((b, h, q_len, kv_len)), dt)
+        if case["segments"] != "none":
+            starts = case["segment_starts"]
+            q_ids = S.segment_ids_from_layout(starts, q_len)
+            kv_ids = S.segment_ids_from_layout(starts, kv_len)
+            if case["segments"] == "absent":
+                q_ids = np.where(q_ids == q_ids.max(), ABSENT_SEGMENT, q_ids).astype(np.int32)
+                out["d_out"] = np.where((q_ids == ABSENT_SEGMENT)[None, None, :, None], 0, out["d_out"]).astype(dt)
+            out["q_segment_ids"] = np.broadcast_to(q_ids, (b, q_len)).copy()
+            out["kv_segment_ids"] = np.broadcast_to(kv_ids, (b, kv_len)).copy()
+        return out
+
+    # ------------------------------------------------------------------ running
+    def _call(self, impl, case: Case):
+        module = _impl_module(impl)
+
+        def forward(q, k, v, ab, q_seg, kv_seg):
+            segment_ids = module.SegmentIds(q=q_seg, kv=kv_seg) if q_seg is not None else None
+            return impl(q, k, v, ab, segment_ids, causal=case["causal"], sm_scale=case["sm_scale"],
+                        block_sizes=module.BlockSizes(**dict(case["blocks"])))
+
+        return forward
+
+    def run(self, impl, case, inputs):
+        return _run_jitted(self._call(impl, case), _static_key(impl, case), *_operands(inputs))
+
+    def lower(self, impl, case):
+        forward = self._call(impl, case)
+        structs = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+                   for x in _operands(self.inputs(case))]
+
+        def export(fn):
+            return lambda: jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
+
+        return {"lower-fwd": export(lambda q, k, v, ab, qs, ks, g: forward(q, k, v, ab, qs, ks)),
+                "lower-grad": export(functools.partial(_forward_and_grads, forward))}
+
+    # ------------------------------------------------------------------ judging
+    def _semantics(self, case, inputs):
+        return dict(scale=case["sm_scale"], causal=case["causal"],
+                    q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"))
+
+    def oracle(self, case, inputs):
+        sem = self._semantics(case, inputs)
+        bias = None if "ab" not in inputs else np.asarray(inputs["ab"], np.float64) * case["sm_scale"]
+        args = (inputs["q"], inputs["k"], inputs["v"])
+        fwd = oracle.attention(*args, bias=bias, masked_rows="mean_of_v", **sem)
+        grads = oracle.attention_vjp(*args, inputs["d_out"], bias=bias, masked_rows="mean_of_v", **sem)
+        result = {"out": fwd.out, "dq": grads["dq"], "dk": grads["dk"], "dv": grads["dv"]}
+        if bias is not None:
+            result["dab"] = grads["dbias"] * case["sm_scale"]
+        return result
+
+    def baseline(self, case, inputs):
+        visible = baseline.visibility(np.arange(case["q_len"]), np.arange(case["kv_len"]), causal=case["causal"],
+                                      q_segment_ids=inputs.get("q_segment_ids"),
+                                      kv_segment_ids=inputs.get("kv_segment_ids"))
+        return baseline.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
+                                             scale=case["sm_scale"], ab=inputs.get("ab"), visible=visible,
+                                             masked_rows="mean_of_v")
+
+    def output_dtypes(self, case):
+        dt = S.dtype_of(case["dtype"])
+        return {d: dt for d in ("out", "dq", "dk", "dv", "dab")}
+
+    def classes(self, case):
+        blocks = dict(case["blocks"])
+        tags = set()
+        if case["q_len"] != case["kv_len"]:
+            tags.add("q_len_ne_kv_len")
+        if case["causal"]:
+            tags.add("causal")
+        if case["segments"] == "absent":
+            tags.add("fully_masked_row")
+        if case["segments"] != "none" and any(s % NUM_LANES for s in case["segment_starts"][1:]):
+            tags.add("block_boundary_straddle")
+        tags.add("single_step_kv" if blocks["block_k_major"] == case["kv_len"] else "multi_block_kv")
+        if blocks["block_k_major"] > blocks["block_k"]:
+            tags.add("k_major_gt_k")
+        if case["bias"]:
+            tags.add("bias")
+        if case["values"] == "large":
+            tags.add("large_logits")
+        if case["values"] == "ties":
+            tags.add("exact_ties")
+        if case["dtype"] == "bfloat16":
+            tags.add("bf16")
+        return sorted(tags)
+
+    def seq_len(self, case):
+        return case["kv_len"]
+
+    def index_names(self, direction):
+        return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
+                "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim"),
+                "dab": ("batch", "head", "query", "key")}.get(direction)
+
+    def invalid_calls(self):
+        return invalid_flash_calls(self.default_impls["builtin"])
+
+
+def _impl_module(impl):
+    """The module defining SegmentIds/BlockSizes for this implementation's convention."""
+    import sys
+
+    return sys.modules[impl.__module__]
+
+
+def _operands(inputs):
+    return (inputs["q"], inputs["k"], inputs["v"], inputs.get("ab"), inputs.get("q_segment_ids"),
+            inputs.get("kv_segment_ids"), inputs["d_out"])
+
+
+def _forward_and_grads(forward, q, k, v, ab, q_seg, kv_seg, d_out):
+    if ab is None:
+        out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, None, q_seg, kv_seg), q, k, v)
+        return (out, *vjp(d_out))
+    out, vjp = jax.vjp(lambda q, k, v, ab: forward(q, k, v, ab, q_seg, kv_seg), q, k, v, ab)
+    return (out, *vjp(d_out))
+
+
+def _static_key(impl, case):
+    """What forces a new compile: everything but the values and the segment layout."""
+    static = {k: v for k, v in case.params.items() if k not in ("values", "segment_starts", "segments")}
+    static["has_segments"] = case["segments"] != "none"
+    return (impl.__module__, impl.__qualname__, tuple(sorted(static.items())))
+
+
+_JITTED: dict = {}
+
+
+def _run_jitted(forward, key, *operands):
+    """One compiled fwd+vjp per static configuration, reused across examples and backends
+    (the interpret-mode settings are part of jit's own cache key)."""
+    fn = _JITTED.get(key)
+    if fn is None:
+        fn = _JITTED[key] = jax.jit(functools.partial(_forward_and_grads, forward))
+    results = fn(*operands)
+    names = ("out", "dq", "dk", "dv", "dab")[: len(results)]
+    return {n: np.asarray(r) for n, r in zip(names, results)}
+
+
+@st.composite
+def invalid_flash_calls(draw, ref: str) -> InvalidCall:
+    impl = resolve_impl(ref)
+    module = _impl_module(impl)
+    f32 = jnp.float32
+    b, h, s, d = 1, 1, 256, 128
+    q = jnp.zeros((b, h, s, d), f32)
+    kind = draw(st.sampled_from(("kv_head_dim", "rank", "dtype_mix", "ab_shape", "seg_shape",
+                                 "block_q_not_dividing", "block_k_not_lane_multiple", "k_major_not_multiple")))
+    defaults = _fields(module.BlockSizes.get_default())
+
+    def with_blocks(**changes):
+        # Built inside the call: a constructor that validates must raise under pytest.raises.
+        return lambda: impl(q, q, q, causal=False, sm_scale=1.0,
+                            block_sizes=module.BlockSizes(**{**defaults, **changes}))
+
+    error = ValueError
+    if kind == "kv_head_dim":
+        call = lambda: impl(q, jnp.zeros((b, h, s, 64), f32), jnp.zeros((b, h, s, 64), f32), causal=False, sm_scale=1.0)
+        match = r"(?i)\bk\b.*(head|dim|shape)"
+    elif kind == "rank":
+        call = lambda: impl(q[0], q[0], q[0], causal=False, sm_scale=1.0)
+        match = r"(?i)\bq\b.*(rank|4-?d|dim|shape)"
+    elif kind == "dtype_mix":
+        call = lambda: impl(q, q.astype(jnp.bfloat16), q, causal=False, sm_scale=1.0)
+        error, match = (TypeError, ValueError), r"(?i)dtype"
+    elif kind == "ab_shape":
+        call = lambda: impl(q, q, q, jnp.zeros((b, h, s, s // 2), f32), causal=False, sm_scale=1.0)
+        match = r"(?i)\bab\b"
+    elif kind == "seg_shape":
+        seg = module.SegmentIds(q=jnp.zeros((b, s // 2), jnp.int32), kv=jnp.zeros((b, s), jnp.int32))
+        call = lambda: impl(q, q, q, None, seg, causal=False, sm_scale=1.0)
+        match = r"(?i)segment"
+    elif kind == "block_q_not_dividing":
+        call, match = with_blocks(block_q=96, block_q_dkv=96, block_q_dq=96, block_q_major_dkv=96), r"block_q"
+    elif kind == "block_k_not_lane_multiple":
+        call, match = with_blocks(block_k_major=64, block_k=64), r"block_k"
+    else:
+        call, match = with_blocks(block_k_major=256, block_k=192), r"block_k"
+    return InvalidCall(kind, call, error, match)
+
+
+def _fields(blocks) -> dict:
+    return {f: getattr(blocks, f) for f in BLOCK_FIELDS}
+
+
+SPEC = FlashSpec()

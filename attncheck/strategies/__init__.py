@@ -1,0 +1,67 @@
+"""Hypothesis strategies shared by the kernel specs, and the input builders they drive.
+
+Strategies draw *parameters* (small, shrinkable, from small sets so compiled executables are
+reused); arrays are made from a seed by the builders below, so a case replays exactly.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# Value distributions. Uniform [0, 1) is deliberately absent: all-positive inputs hide sign
+# bugs (a dropped minus, a max that starts at 0 instead of -inf).
+VALUE_KINDS = ("normal", "large", "ties")
+# "large": logits of magnitude ~ LARGE_LOGIT_STD * scale * sqrt(d) ~ tens, where a float32
+# softmax that does not subtract the running max overflows, and one that does stays exact.
+LARGE_LOGIT_STD = 4.0
+# Seeds are 32-bit: enough variety, and short in reproducer commands.
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+def dtype_of(name: str) -> np.dtype:
+    return DTYPES[name]
+
+
+def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Round float64 values to `dtype` (the kernel's input dtype)."""
+    return np.asarray(x, dtype=np.float32).astype(dtype)
+
+
+def attention_values(rng: np.random.Generator, kind: str, shape: tuple[int, ...], *, role: str) -> np.ndarray:
+    """float64 values of one attention operand ('q', 'k', 'v', 'bias' or 'cotangent')."""
+    x = rng.standard_normal(shape)
+    if kind == "large" and role in ("q", "k"):
+        return x * LARGE_LOGIT_STD
+    if kind == "ties" and role == "k":
+        # Keys equal in pairs (2j, 2j+1): exact logit ties everywhere, across block edges too
+        # when a pair straddles one. Not all keys equal: that makes dq exactly zero by
+        # cancellation, which tests nothing but rounding noise.
+        return np.repeat(x[..., ::2, :], 2, axis=-2)[..., : shape[-2], :]
+    return x
+
+
+@st.composite
+def segment_layout(draw, length: int, *, max_segments: int = 4) -> tuple[int, ...]:
+    """Segment boundaries over `length` tokens: sorted start offsets, the first being 0.
+
+    Shrinks toward one segment; single-token segments and segments straddling any block
+    boundary are reachable because boundaries are free positions.
+    """
+    count = draw(st.integers(min_value=1, max_value=max_segments))
+    starts = draw(st.lists(st.integers(min_value=1, max_value=length - 1), min_size=count - 1,
+                           max_size=count - 1, unique=True))
+    return tuple([0] + sorted(starts))
+
+
+def segment_ids_from_layout(starts: tuple[int, ...], length: int) -> np.ndarray:
+    ids = np.zeros(length, dtype=np.int32)
+    for n, s in enumerate(starts):
+        ids[s:] = n + 1
+    return ids
+
+
+def divisors(n: int, multiple_of: int) -> list[int]:
+    return [d for d in range(multiple_of, n + 1, multiple_of) if n % d == 0]

@@ -1,0 +1,31 @@
+"""Parametrize the generic gate over kernel family x implementation x backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from attncheck import backends, specs
+
+
+def gate_targets(config) -> list:
+    chosen = backends.parse_backend_option(config.getoption("--attncheck-backend"))
+    overrides = specs.parse_impl_overrides(config.getoption("--attncheck-impl"))
+    params = []
+    for spec in specs.all_specs().values():
+        impls = ({"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls))
+        for impl_name, ref in impls.items():
+            for name in spec.backends:
+                if name not in chosen:
+                    continue
+                reason = backends.BACKENDS[name].unavailable_reason()
+                marks = [pytest.mark.skip(reason=f"backend {name} unavailable: {reason}")] if reason else []
+                params.append(pytest.param((spec, impl_name, ref, name), marks=marks,
+                                           id=f"{spec.name}-{impl_name}-{name}"))
+    return params
+
+
+def pytest_generate_tests(metafunc):
+    if "gate_target" in metafunc.fixturenames:
+        metafunc.parametrize("gate_target", gate_targets(metafunc.config))
+    if "gate_spec" in metafunc.fixturenames:
+        metafunc.parametrize("gate_spec", list(specs.all_specs().values()), ids=lambda s: s.name)
