@@ -51,6 +51,10 @@ def pytest_addoption(parser):
                     help="report directory (default: %(default)s)")
     group.addoption("--attncheck-impl", action="append", default=[], metavar="FAMILY=MOD:FN",
                     help="verify this implementation for a kernel family instead of the built-in one")
+    group.addoption("--attncheck-spec", action="append", default=[], metavar="MODULE",
+                    help="also verify the kernel family whose KernelSpec this module exposes as SPEC")
+    group.addoption("--attncheck-only-spec", action="store_true",
+                    help="verify only the families given with --attncheck-spec")
     group.addoption("--attncheck-baseline", default=None, metavar="PATH",
                     help="fail on a numerics regression against this baseline.json")
     group.addoption("--attncheck-require-coverage", action="store_true",
@@ -67,6 +71,11 @@ def report_dir(config) -> pathlib.Path:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    from attncheck import specs
+
+    if config.getoption("--attncheck-only-spec"):
+        specs.SPEC_MODULES.clear()
+    specs.add_spec_modules(config.getoption("--attncheck-spec"))
     if _is_worker(config):
         config._attncheck_run_id = config.workerinput["attncheck_run_id"]
         return

@@ -8,9 +8,17 @@ import importlib
 from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
 
 # Module path of each family's spec; a module exposes SPEC.
-SPEC_MODULES = (
+SPEC_MODULES = [
     "attncheck.specs.flash",
-)
+]
+
+
+def add_spec_modules(names: list[str]) -> None:
+    """Register more spec modules (``--attncheck-spec``): a user's own kernel family."""
+    for name in names:
+        if name not in SPEC_MODULES:
+            SPEC_MODULES.append(name)
+    all_specs.cache_clear()
 
 
 @functools.cache
@@ -35,5 +43,5 @@ def parse_impl_overrides(values: list[str]) -> dict[str, str]:
     return overrides
 
 
-__all__ = ["Case", "InvalidCall", "KernelSpec", "all_specs", "make_case", "parse_impl_overrides",
+__all__ = ["Case", "InvalidCall", "KernelSpec", "add_spec_modules", "all_specs", "make_case", "parse_impl_overrides",
            "resolve_impl"]
