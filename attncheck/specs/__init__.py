@@ -10,6 +10,7 @@ from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resol
 # Module path of each family's spec; a module exposes SPEC.
 SPEC_MODULES = [
     "attncheck.specs.flash",
+    "attncheck.specs.ffn",
 ]
 
 
