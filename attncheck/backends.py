@@ -68,6 +68,21 @@ class Backend:
             yield
 
 
+# Mosaic lowering asks the TPU generation; without a TPU, an abstract mesh names one.
+TPU_EXPORT_DEVICE_KIND = "TPU v5 lite"
+
+
+def export_for_tpu(fn: Callable, *args):
+    """``jax.export`` of ``fn`` for platform tpu (arrays or ShapeDtypeStructs as args)."""
+    structs = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("export",), (jax.sharding.AxisType.Explicit,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind=TPU_EXPORT_DEVICE_KIND, num_cores=1,
+                                                    platform="tpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
+
+
 def _always() -> str | None:
     return None
 

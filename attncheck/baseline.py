@@ -56,6 +56,15 @@ def _attention(q, k, v, ab, bias, visible, *, scale, soft_cap, masked_rows):
     return out.astype(q.dtype)
 
 
+def attention(q, k, v, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
+              masked_rows="mean_of_v") -> np.ndarray:
+    """Baseline forward output only."""
+    if visible is None:
+        visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
+    return np.asarray(_attention(q, k, v, ab, bias, visible, scale=scale, soft_cap=soft_cap,
+                                 masked_rows=masked_rows))
+
+
 def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
                          masked_rows="mean_of_v") -> dict[str, np.ndarray]:
     """Baseline output and gradients ("out", "dq", "dk", "dv", and "dab"/"dbias" if given)."""

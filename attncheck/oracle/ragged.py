@@ -69,7 +69,9 @@ def ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, 
     num_tokens, q_heads, head_dim = queries.shape
     # Upcast only after gathering: unread pages stay unread (and cost no float64 copy).
     kv_pages = np.asarray(kv_pages)
-    dense._check_float_dtype("kv_pages", kv_pages.dtype)
+    # A quantized cache is int8 (with k/v scales): integers up-cast to float64 exactly.
+    if kv_pages.dtype != np.int8:
+        dense._check_float_dtype("kv_pages", kv_pages.dtype)
     if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[2] < 2 or kv_pages.shape[3] != head_dim \
             or q_heads % (kv_pages.shape[2] // 2):
         dense._fail("kv_pages", f"4-D [total_pages, page_size, 2 * Hkv, D] with D={head_dim} matching queries "

@@ -11,6 +11,7 @@ from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resol
 SPEC_MODULES = [
     "attncheck.specs.flash",
     "attncheck.specs.ffn",
+    "attncheck.specs.ragged",
 ]
 
 

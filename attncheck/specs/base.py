@@ -7,6 +7,7 @@ test is written once against this interface; adding a kernel family is adding a 
 from __future__ import annotations
 
 import abc
+import functools
 import dataclasses
 import hashlib
 import importlib
@@ -137,8 +138,10 @@ class KernelSpec(abc.ABC):
         """Names of the axes of a direction's array, for reproducer messages."""
         return None
 
-    def invalid_calls(self) -> st.SearchStrategy[InvalidCall]:
-        return st.nothing()
+    def invalid_calls(self) -> list[InvalidCall]:
+        """Calls the implementation must reject with its own clear error (one per
+        validation branch, so each branch is exercised on every run)."""
+        return []
 
 
 def resolve_impl(ref: str) -> Callable:
@@ -150,3 +153,31 @@ def resolve_impl(ref: str) -> Callable:
     for part in attr.split("."):
         target = getattr(target, part)
     return target
+
+
+def coverage_examples(spec: KernelSpec) -> list[Case]:
+    """For each bug class of the spec, the simplest case that exercises it.
+
+    Found by hypothesis (search and shrink over the strategy alone, no kernel runs) and
+    derandomized, so the list is the same on every run; the gate runs these as explicit
+    examples, which is what guarantees every class a nonzero count in every report.
+    """
+    return _coverage_examples(spec.name)
+
+
+@functools.cache
+def _coverage_examples(family: str) -> list[Case]:
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from attncheck.specs import all_specs
+
+    spec = all_specs()[family]
+    search = settings(database=None, derandomize=True, max_examples=3000, deadline=None,
+                      phases=(Phase.generate, Phase.shrink),
+                      suppress_health_check=list(HealthCheck))
+    found: dict[str, Case] = {}
+    for cls in spec.coverage_classes:
+        if any(cls in spec.classes(c) for c in found.values()):
+            continue
+        found[cls] = find(spec.cases(), lambda c, cls=cls: cls in spec.classes(c), settings=search)
+    return list({c.id: c for c in found.values()}.values())

@@ -152,18 +152,17 @@ def _grads(call, key, inputs):
     return result
 
 
-@st.composite
-def invalid_ffn_calls(draw, ref: str) -> InvalidCall:
+def invalid_ffn_calls(ref: str) -> list[InvalidCall]:
     impl = resolve_impl(ref)
     position_wise, pack = _convention(impl)
     x = jnp.zeros((1, 64, 16), jnp.float32)
     params = pack(jnp.zeros((16, 32)), None, jnp.zeros((32, 16)), None)
-    kind = draw(st.sampled_from(("chunk_not_dividing", "chunk_zero", "rank")))
-    if kind == "chunk_not_dividing":
-        return InvalidCall(kind, lambda: impl(position_wise, params, x, chunk_size=48), ValueError, r"chunk_size")
-    if kind == "chunk_zero":
-        return InvalidCall(kind, lambda: impl(position_wise, params, x, chunk_size=0), ValueError, r"chunk_size")
-    return InvalidCall(kind, lambda: impl(position_wise, params, x[0, 0], chunk_size=8), ValueError, r"inputs")
+    return [
+        InvalidCall("chunk_not_dividing", lambda: impl(position_wise, params, x, chunk_size=48), ValueError,
+                    r"chunk_size"),
+        InvalidCall("chunk_zero", lambda: impl(position_wise, params, x, chunk_size=0), ValueError, r"chunk_size"),
+        InvalidCall("rank", lambda: impl(position_wise, params, x[0, 0], chunk_size=8), ValueError, r"inputs"),
+    ]
 
 
 SPEC = BlockwiseFFNSpec()

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import baseline, oracle
+from attncheck import backends, baseline, oracle
 from attncheck import strategies as S
 from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
 
@@ -126,11 +126,10 @@ class FlashSpec(KernelSpec):
 
     def lower(self, impl, case):
         forward = self._call(impl, case)
-        structs = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-                   for x in _operands(self.inputs(case))]
+        operands = _operands(self.inputs(case))
 
         def export(fn):
-            return lambda: jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
+            return lambda: backends.export_for_tpu(fn, *operands)
 
         return {"lower-fwd": export(lambda q, k, v, ab, qs, ks, g: forward(q, k, v, ab, qs, ks)),
                 "lower-grad": export(functools.partial(_forward_and_grads, forward))}
@@ -240,15 +239,12 @@ def _run_jitted(forward, key, *operands):
     return {n: np.asarray(r) for n, r in zip(names, results)}
 
 
-@st.composite
-def invalid_flash_calls(draw, ref: str) -> InvalidCall:
+def invalid_flash_calls(ref: str) -> list[InvalidCall]:
     impl = resolve_impl(ref)
     module = _impl_module(impl)
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128
     q = jnp.zeros((b, h, s, d), f32)
-    kind = draw(st.sampled_from(("kv_head_dim", "rank", "dtype_mix", "ab_shape", "seg_shape",
-                                 "block_q_not_dividing", "block_k_not_lane_multiple", "k_major_not_multiple")))
     defaults = _fields(module.BlockSizes.get_default())
 
     def with_blocks(**changes):
@@ -256,30 +252,27 @@ def invalid_flash_calls(draw, ref: str) -> InvalidCall:
         return lambda: impl(q, q, q, causal=False, sm_scale=1.0,
                             block_sizes=module.BlockSizes(**{**defaults, **changes}))
 
-    error = ValueError
-    if kind == "kv_head_dim":
-        call = lambda: impl(q, jnp.zeros((b, h, s, 64), f32), jnp.zeros((b, h, s, 64), f32), causal=False, sm_scale=1.0)
-        match = r"(?i)\bk\b.*(head|dim|shape)"
-    elif kind == "rank":
-        call = lambda: impl(q[0], q[0], q[0], causal=False, sm_scale=1.0)
-        match = r"(?i)\bq\b.*(rank|4-?d|dim|shape)"
-    elif kind == "dtype_mix":
-        call = lambda: impl(q, q.astype(jnp.bfloat16), q, causal=False, sm_scale=1.0)
-        error, match = (TypeError, ValueError), r"(?i)dtype"
-    elif kind == "ab_shape":
-        call = lambda: impl(q, q, q, jnp.zeros((b, h, s, s // 2), f32), causal=False, sm_scale=1.0)
-        match = r"(?i)\bab\b"
-    elif kind == "seg_shape":
-        seg = module.SegmentIds(q=jnp.zeros((b, s // 2), jnp.int32), kv=jnp.zeros((b, s), jnp.int32))
-        call = lambda: impl(q, q, q, None, seg, causal=False, sm_scale=1.0)
-        match = r"(?i)segment"
-    elif kind == "block_q_not_dividing":
-        call, match = with_blocks(block_q=96, block_q_dkv=96, block_q_dq=96, block_q_major_dkv=96), r"block_q"
-    elif kind == "block_k_not_lane_multiple":
-        call, match = with_blocks(block_k_major=64, block_k=64), r"block_k"
-    else:
-        call, match = with_blocks(block_k_major=256, block_k=192), r"block_k"
-    return InvalidCall(kind, call, error, match)
+    seg = module.SegmentIds(q=jnp.zeros((b, s // 2), jnp.int32), kv=jnp.zeros((b, s), jnp.int32))
+    # Each message must name the offending argument (either order of words).
+    return [
+        InvalidCall("kv_head_dim", lambda: impl(q, jnp.zeros((b, h, s, 64), f32), jnp.zeros((b, h, s, 64), f32),
+                                                causal=False, sm_scale=1.0), ValueError,
+                    r"(?is)(?=.*\bk\b)(?=.*(head|dim|shape))"),
+        InvalidCall("rank", lambda: impl(q[0], q[0], q[0], causal=False, sm_scale=1.0), ValueError,
+                    r"(?is)(?=.*\bq\b)(?=.*(rank|4-?d|dim|shape))"),
+        InvalidCall("dtype_mix", lambda: impl(q, q.astype(jnp.bfloat16), q, causal=False, sm_scale=1.0),
+                    (TypeError, ValueError), r"(?i)dtype"),
+        InvalidCall("ab_shape", lambda: impl(q, q, q, jnp.zeros((b, h, s, s // 2), f32), causal=False, sm_scale=1.0),
+                    ValueError, r"(?i)\bab\b"),
+        InvalidCall("segment_ids_shape", lambda: impl(q, q, q, None, seg, causal=False, sm_scale=1.0), ValueError,
+                    r"(?i)segment"),
+        InvalidCall("block_q_not_dividing", with_blocks(block_q=96, block_q_dkv=96, block_q_dq=96,
+                                                        block_q_major_dkv=96), ValueError, r"block_q"),
+        InvalidCall("block_k_not_lane_multiple", with_blocks(block_k_major=64, block_k=64), ValueError, r"block_k"),
+        InvalidCall("block_k_major_not_multiple_of_block_k", with_blocks(block_k_major=256, block_k=192),
+                    ValueError, r"block_k"),
+    ]
+
 
 
 def _fields(blocks) -> dict:

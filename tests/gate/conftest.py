@@ -27,5 +27,9 @@ def gate_targets(config) -> list:
 def pytest_generate_tests(metafunc):
     if "gate_target" in metafunc.fixturenames:
         metafunc.parametrize("gate_target", gate_targets(metafunc.config))
-    if "gate_spec" in metafunc.fixturenames:
-        metafunc.parametrize("gate_spec", list(specs.all_specs().values()), ids=lambda s: s.name)
+    if "gate_invalid" in metafunc.fixturenames:
+        # One test per validation branch of each family; a family that declares none
+        # simply contributes no test.
+        metafunc.parametrize("gate_invalid", [
+            pytest.param(call, id=f"{spec.name}-{call.description}")
+            for spec in specs.all_specs().values() for call in spec.invalid_calls()])

@@ -1,0 +1,302 @@
+"""Ragged paged attention v2 family: ``ragged_paged_attention(queries, kv_pages, kv_lens,
+page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
+num_kv_pages_per_block, num_queries_per_block)`` (tpu-inference's convention, forward only).
+
+Mapped onto the ragged oracle: K/V interleaved on the combined-heads axis (K of kv head h
+at 2h, V at 2h+1), bottom-right causal alignment, window ``q_pos - kv_pos < window``,
+soft cap after the scale. Everything the kernel must never read holds poison: NaN in
+unused pages, in page tails past kv_len and in padding query tokens; garbage in unused
+page-table slots and in the metadata of sequences past num_seqs. Output rows past
+``cu_q_lens[num_seqs]`` are don't-care.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+from attncheck import backends, baseline, oracle
+from attncheck import strategies as S
+from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+
+FAMILY = "ragged_paged_attention"
+# Static buckets: every case of a bucket reuses one compiled kernel; the ragged structure
+# (lengths, page tables, num_seqs) is data.
+MAX_TOKENS = 64
+MAX_SEQS = 4
+PAGES_PER_SEQ = 8
+TOTAL_PAGES = 40
+HEAD_DIM = 128
+PAGE_SIZES = (8, 16)
+# (num_q_heads, num_kv_heads): GQA ratios 1, 2, 4, 8.
+HEAD_LAYOUTS = ((2, 2), (4, 2), (4, 1), (8, 1))
+# (query dtype, kv dtype): packed kv dtypes only with scales (they are quantized caches).
+DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+               ("bfloat16", "int8"), ("bfloat16", "float8_e4m3fn"))
+SEQ_KINDS = ("decode", "chunked_prefill", "full_prefill", "empty")
+PADDING_KINDS = ("repeat_last", "minus_one", "garbage")
+KV_DTYPES = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+             **S.DTYPES}
+
+
+@st.composite
+def sequence(draw, capacity: int, token_budget: int) -> tuple[int, int]:
+    """(q_len, kv_len) of one sequence; shrinks toward a one-token decode."""
+    kind = draw(st.sampled_from(SEQ_KINDS))
+    if kind == "empty" or token_budget == 0:
+        return 0, draw(st.sampled_from((0, draw(st.integers(1, capacity)))))
+    kv_len = draw(st.integers(1, capacity))
+    if kind == "decode" or kv_len == 1:
+        return 1, kv_len
+    if kind == "full_prefill":
+        return min(kv_len, token_budget), kv_len
+    return min(draw(st.integers(1, kv_len - 1)), token_budget), kv_len
+
+
+@st.composite
+def ragged_cases(draw) -> Case:
+    page_size = draw(st.sampled_from(PAGE_SIZES))
+    capacity = page_size * PAGES_PER_SEQ
+    num_seqs = draw(st.integers(1, MAX_SEQS))
+    seqs, budget = [], MAX_TOKENS
+    for _ in range(num_seqs):
+        q_len, kv_len = draw(sequence(capacity, budget))
+        budget -= q_len
+        seqs.append((q_len, kv_len))
+    q_dtype, kv_dtype = draw(st.sampled_from(DTYPE_PAIRS))
+    packed = kv_dtype not in S.DTYPES
+    scales = draw(st.just((0.5, 2.0)) if packed else st.sampled_from(((None, None), (0.5, 2.0))))
+    window = draw(st.one_of(st.none(), st.sampled_from((1, 5, page_size * 2 + 3, capacity + 7))))
+    # The kernel tiles the combined-heads axis in 32-bit words: with 4 values per word
+    # (int8, fp8) 2 * num_kv_heads must be a multiple of 4 (a documented rejection).
+    packing = 4 // KV_DTYPES[kv_dtype].itemsize
+    heads = draw(st.sampled_from([h for h in HEAD_LAYOUTS if (2 * h[1]) % packing == 0]))
+    return make_case(
+        FAMILY, draw(S.seeds), dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
+        num_q_heads=heads[0], num_kv_heads=heads[1], seqs=tuple(seqs),
+        sliding_window=window, soft_cap=draw(st.sampled_from((None, 5.0))),
+        k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((HEAD_DIM**-0.5, 1.0))),
+        num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
+        num_queries_per_block=draw(st.sampled_from((None, 8, 16))),
+        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large"))))
+
+
+def _poison(dtype) -> float:
+    """What unread memory holds: NaN where the dtype has one, else its largest value."""
+    dtype = np.dtype(dtype)
+    if dtype == np.int8:
+        return 127
+    return np.nan
+
+
+class RaggedSpec(KernelSpec):
+    name = FAMILY
+    default_impls = {"builtin": "kernels.ragged_paged_attention:ragged_paged_attention"}
+    backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
+    coverage_classes = ("decode", "chunked_prefill", "full_prefill", "zero_length_seq", "num_seqs_lt_max",
+                        "kv_len_not_page_multiple", "pages_per_seq_not_block_multiple", "nan_padding",
+                        "shuffled_pages", "gqa", "window_lt_block", "window_gt_kv_len", "soft_cap",
+                        "kv_scales", "bf16", "packed_kv", "q_len_ne_kv_len")
+    examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
+
+    def cases(self):
+        return ragged_cases()
+
+    def inputs(self, case):
+        rng = np.random.default_rng(case.seed)
+        q_dt, kv_dt = S.dtype_of(case["dtype"]), KV_DTYPES[case["kv_dtype"]]
+        seqs, page_size = case["seqs"], case["page_size"]
+        hq, hkv = case["num_q_heads"], case["num_kv_heads"]
+        num_seqs = len(seqs)
+        q_lens = np.array([q for q, _ in seqs] + [0] * (MAX_SEQS - num_seqs))
+        kv_lens = np.array([k for _, k in seqs] + [0] * (MAX_SEQS - num_seqs), dtype=np.int32)
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        spread = S.LARGE_LOGIT_STD if case["values"] == "large" else 1.0
+        queries = rng.standard_normal((MAX_TOKENS, hq, HEAD_DIM)) * spread
+        queries[cu[num_seqs]:] = np.nan  # padding tokens
+        # Pages: a shuffled, non-contiguous allocation; everything unallocated is poison.
+        order = rng.permutation(TOTAL_PAGES)
+        page_indices = rng.integers(-3, 3 * TOTAL_PAGES, size=(MAX_SEQS, PAGES_PER_SEQ)).astype(np.int32)
+        kv = np.full((TOTAL_PAGES, page_size, 2 * hkv, HEAD_DIM), _poison(kv_dt), dtype=np.float64)
+        used = 0
+        for s, (_, kv_len) in enumerate(seqs):
+            pages = -(-kv_len // page_size)
+            page_indices[s, :pages] = order[used:used + pages]
+            used += pages
+            for p in range(pages):
+                rows = min(page_size, kv_len - p * page_size)
+                kv[order[used - pages + p], :rows] = rng.standard_normal((rows, 2 * hkv, HEAD_DIM))
+        kv[:, :, 0::2] *= spread  # K only: large logits
+        if kv_dt == np.int8:
+            kv = np.where(np.isnan(kv), 127, np.clip(np.round(kv * 30), -127, 127))
+        self._pad_metadata(case, rng, kv_lens, cu, num_seqs)
+        return {"queries": S.round_to(queries, q_dt), "kv_pages": kv.astype(np.float32).astype(kv_dt),
+                "kv_lens": kv_lens, "page_indices": page_indices, "cu_q_lens": cu,
+                "num_seqs": np.array([num_seqs], dtype=np.int32)}
+
+    @staticmethod
+    def _pad_metadata(case, rng, kv_lens, cu, num_seqs):
+        """Metadata past num_seqs is padding the kernel must not trust."""
+        if case["padding"] == "minus_one":
+            kv_lens[num_seqs:] = -1
+            cu[num_seqs + 1:] = -1
+        elif case["padding"] == "garbage":
+            kv_lens[num_seqs:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
+            cu[num_seqs + 1:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
+
+    def _options(self, case):
+        return dict(sm_scale=case["sm_scale"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
+                    k_scale=case["k_scale"], v_scale=case["v_scale"])
+
+    def _call(self, impl, case):
+        return lambda *args: impl(*args, **self._options(case),
+                                  num_kv_pages_per_block=case["num_kv_pages_per_block"],
+                                  num_queries_per_block=case["num_queries_per_block"])
+
+    def _args(self, inputs):
+        return tuple(inputs[n] for n in ("queries", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"))
+
+    def run(self, impl, case, inputs):
+        # Called eagerly: the kernel validates concrete metadata, then runs its own jit.
+        return {"out": np.asarray(self._call(impl, case)(*self._args(inputs)))}
+
+    def lower(self, impl, case):
+        args = self._args(self.inputs(case))
+        return {"lower-fwd": lambda: backends.export_for_tpu(self._call(impl, case), *args)}
+
+    def oracle(self, case, inputs):
+        return {"out": oracle.ragged_paged_attention(*self._args(inputs), **self._options(case)).out}
+
+    def care(self, case, inputs):
+        valid = np.arange(MAX_TOKENS) < inputs["cu_q_lens"][len(case["seqs"])]
+        return {"out": valid[:, None, None]}
+
+    def baseline(self, case, inputs):
+        """Dense XLA attention over every sequence's gathered keys, in working precision."""
+        seqs, page_size = case["seqs"], case["page_size"]
+        capacity = page_size * PAGES_PER_SEQ
+        q_dt = S.dtype_of(case["dtype"])
+        kv = np.zeros((MAX_SEQS * capacity,) + inputs["kv_pages"].shape[2:], dtype=np.float32)
+        q_pos = np.full(MAX_TOKENS, -1)
+        kv_pos = np.full(MAX_SEQS * capacity, 1 << 30)
+        seq_of_token = np.full(MAX_TOKENS, -1)
+        seq_of_key = np.repeat(np.arange(MAX_SEQS), capacity)
+        cu = inputs["cu_q_lens"]
+        for s, (q_len, kv_len) in enumerate(seqs):
+            pages = inputs["page_indices"][s, : -(-kv_len // page_size)]
+            gathered = inputs["kv_pages"][pages].reshape((-1,) + kv.shape[1:])[:kv_len]
+            kv[s * capacity: s * capacity + kv_len] = gathered.astype(np.float32)
+            kv_pos[s * capacity: s * capacity + kv_len] = np.arange(kv_len)
+            q_pos[cu[s]: cu[s] + q_len] = kv_len - q_len + np.arange(q_len)
+            seq_of_token[cu[s]: cu[s] + q_len] = s
+        k, v = kv[:, 0::2], kv[:, 1::2]
+        k_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, case["k_scale"])
+        v_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, case["v_scale"])
+        k = (k * (case["k_scale"] or 1.0)).astype(k_dt)
+        v = (v * (case["v_scale"] or 1.0)).astype(v_dt)
+        visible = baseline.visibility(q_pos, kv_pos, causal=True, window=case["sliding_window"],
+                                      q_segment_ids=seq_of_token[None], kv_segment_ids=seq_of_key[None])
+        queries = np.nan_to_num(inputs["queries"]).transpose(1, 0, 2)[None]
+        out = baseline.attention(queries, k.transpose(1, 0, 2)[None].astype(q_dt),
+                                 v.transpose(1, 0, 2)[None], scale=case["sm_scale"], visible=visible,
+                                 soft_cap=case["soft_cap"], masked_rows="zero")
+        return {"out": np.asarray(out)[0].transpose(1, 0, 2).astype(q_dt)}
+
+    def output_dtypes(self, case):
+        return {"out": S.dtype_of(case["dtype"])}
+
+    def classes(self, case):
+        seqs, page_size = case["seqs"], case["page_size"]
+        block_pages = case["num_kv_pages_per_block"] or max(1, min(PAGES_PER_SEQ, 128 // page_size))
+        tags = {"nan_padding", "shuffled_pages"}
+        for q_len, kv_len in seqs:
+            if q_len == 0:
+                tags.add("zero_length_seq")
+            elif q_len == 1:
+                tags.add("decode")
+            elif q_len < kv_len:
+                tags.add("chunked_prefill")
+            else:
+                tags.add("full_prefill")
+            if 0 < q_len != kv_len:
+                tags.add("q_len_ne_kv_len")
+            if kv_len % page_size:
+                tags.add("kv_len_not_page_multiple")
+        if len(seqs) < MAX_SEQS:
+            tags.add("num_seqs_lt_max")
+        if PAGES_PER_SEQ % block_pages:
+            tags.add("pages_per_seq_not_block_multiple")
+        if case["num_q_heads"] > case["num_kv_heads"]:
+            tags.add("gqa")
+        window = case["sliding_window"]
+        if window is not None and window < block_pages * page_size:
+            tags.add("window_lt_block")
+        if window is not None and window > max(k for _, k in seqs):
+            tags.add("window_gt_kv_len")
+        if case["soft_cap"] is not None:
+            tags.add("soft_cap")
+        if case["k_scale"] is not None:
+            tags.add("kv_scales")
+        if case["dtype"] == "bfloat16":
+            tags.add("bf16")
+        if case["kv_dtype"] not in S.DTYPES:
+            tags.add("packed_kv")
+        return sorted(tags)
+
+    def seq_len(self, case):
+        return max(k for _, k in case["seqs"])
+
+    def index_names(self, direction):
+        return ("token", "q_head", "dim")
+
+    def invalid_calls(self):
+        return invalid_ragged_calls(self.default_impls["builtin"])
+
+
+def _kv_compute_dtype(q_dtype, kv_dtype, scale):
+    """The dtype the kernel computes K or V in: the query dtype for scaled or packed caches,
+    else the promotion of the two (the convention of the seed's reference)."""
+    if scale is not None or np.dtype(kv_dtype) not in S.DTYPES.values():
+        return np.dtype(q_dtype)
+    return np.promote_types(q_dtype, kv_dtype)
+
+
+def invalid_ragged_calls(ref: str) -> list[InvalidCall]:
+    impl = resolve_impl(ref)
+    page_size, pages, seqs, tokens, hq, hkv = 16, 8, 2, 16, 4, 2
+    good = dict(queries=np.zeros((tokens, hq, HEAD_DIM), np.float32),
+                kv_pages=np.zeros((pages * seqs, page_size, 2 * hkv, HEAD_DIM), np.float32),
+                kv_lens=np.array([8, 8], np.int32),
+                page_indices=np.arange(pages * seqs, dtype=np.int32).reshape(seqs, pages),
+                cu_q_lens=np.array([0, 4, 8], np.int32), num_seqs=np.array([2], np.int32))
+    bad = {
+        "q_len_gt_kv_len": (dict(kv_lens=np.array([2, 8], np.int32)), r"q_len|kv_len"),
+        "num_seqs_gt_max": (dict(num_seqs=np.array([3], np.int32)), r"num_seqs"),
+        "kv_len_past_page_table": (dict(kv_lens=np.array([8, pages * page_size + 1], np.int32)), r"kv_len|pages"),
+        "page_index_out_of_range": (dict(page_indices=np.full((seqs, pages), pages * seqs + 5, np.int32)),
+                                    r"page_ind"),
+        "metadata_not_int32": (dict(kv_lens=np.array([8, 8], np.int64)), r"kv_lens"),
+        "cu_q_lens_decreasing": (dict(cu_q_lens=np.array([0, 6, 4], np.int32)), r"cu_q_lens"),
+        "cu_q_lens_past_tokens": (dict(cu_q_lens=np.array([0, 4, tokens + 8], np.int32),
+                                       kv_lens=np.array([8, 32], np.int32)), r"cu_q_lens"),
+        "odd_combined_heads": (dict(kv_pages=np.zeros((pages * seqs, page_size, 3, HEAD_DIM), np.float32)),
+                               r"kv_pages|heads"),
+        "head_dim_mismatch": (dict(queries=np.zeros((tokens, hq, 64), np.float32)), r"head_dim|queries"),
+        "q_heads_not_multiple": (dict(queries=np.zeros((tokens, 3, HEAD_DIM), np.float32)), r"heads"),
+        "unsupported_kv_dtype": (dict(kv_pages=np.zeros((pages * seqs, page_size, 2 * hkv, HEAD_DIM), np.float16)),
+                                 r"kv_pages"),
+    }
+    options = {
+        "window_zero": (dict(sliding_window=0), r"sliding_window"),
+        "soft_cap_zero": (dict(soft_cap=0.0), r"soft_cap"),
+        "kv_block_zero": (dict(num_kv_pages_per_block=0), r"num_kv_pages_per_block"),
+    }
+    calls = [InvalidCall(kind, lambda change=change: impl(**{**good, **change}, sm_scale=0.1),
+                         (ValueError, TypeError), match) for kind, (change, match) in bad.items()]
+    calls += [InvalidCall(kind, lambda change=change: impl(**good, **{"sm_scale": 0.1, **change}),
+                          (ValueError, TypeError), match) for kind, (change, match) in options.items()]
+    return calls
+
+
+SPEC = RaggedSpec()
