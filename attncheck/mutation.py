@@ -64,7 +64,8 @@ def apply(mutant: Mutant, root: pathlib.Path) -> None:
 
 def gate_command(family: str, report_dir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "pytest", "tests/gate", "-x", "-q", "-p", "no:cacheprovider",
-            "--hypothesis-profile=ci", "-k", family, "--attncheck-report", str(report_dir), *extra]
+            "--hypothesis-profile=ci", "--attncheck-kernel", family, "--attncheck-report", str(report_dir),
+            *extra]
 
 
 def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S) -> dict:

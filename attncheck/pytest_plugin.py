@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
+import threading
 import time
 
 from attncheck import xla_env
@@ -47,6 +49,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("attncheck")
     group.addoption("--attncheck-backend", default=None,
                     help="comma-separated backends to run (default: every available one)")
+    group.addoption("--attncheck-kernel", default=None,
+                    help="comma-separated kernel families to verify (default: all)")
     group.addoption("--attncheck-report", default=DEFAULT_REPORT_DIR,
                     help="report directory (default: %(default)s)")
     group.addoption("--attncheck-impl", action="append", default=[], metavar="FAMILY=MOD:FN",
@@ -122,6 +126,39 @@ def attncheck_record(request, attncheck_writer):
     return write
 
 
+@pytest.hookimpl(wrapper=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """Re-arm pytest-timeout's SIGALRM on every expiry.
+
+    The signal fires once per test, but hypothesis then replays the failing example to
+    report it: a kernel that hangs would hang that replay forever with no timer left. With
+    the timer re-armed the replay times out too and the test fails with the timeout message.
+    """
+    result = yield
+    handler = signal.getsignal(signal.SIGALRM)
+    if settings.method == "signal" and callable(handler) and threading.current_thread() is threading.main_thread():
+        def rearm(signum, frame):
+            __tracebackhide__ = True
+            signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+            handler(signum, frame)
+
+        signal.signal(signal.SIGALRM, rearm)
+    return result
+
+
+def _failed_tests(config) -> dict[str, str]:
+    """nodeid -> one-line reason of every test (or collection) that failed or errored."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    stats = reporter.stats if reporter is not None else {}
+    failed = {}
+    for report in [*stats.get("failed", []), *stats.get("error", [])]:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        lines = str(crash.message if crash is not None else report.longrepr).strip().splitlines() or ["failed"]
+        # A crash message starts with the exception; a plain longrepr ends with it.
+        failed.setdefault(report.nodeid, lines[0] if crash is not None else lines[-1])
+    return failed
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if _is_worker(config):
@@ -134,7 +171,7 @@ def pytest_sessionfinish(session, exitstatus):
         complete=not interrupted, selected_backends=config.getoption("--attncheck-backend"),
         baseline_path=config.getoption("--attncheck-baseline"),
         require_coverage=config.getoption("--attncheck-require-coverage"),
-        wall_s=time.time() - config._attncheck_started)
+        wall_s=time.time() - config._attncheck_started, failed_tests=_failed_tests(config))
     config._attncheck_gate_problems = result.problems
     if result.problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -7,11 +7,23 @@ import pytest
 from attncheck import backends, specs
 
 
+def selected_specs(config) -> list:
+    wanted = config.getoption("--attncheck-kernel")
+    known = specs.all_specs()
+    if not wanted:
+        return list(known.values())
+    names = [n.strip() for n in wanted.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise pytest.UsageError(f"--attncheck-kernel: unknown families {unknown}; known: {sorted(known)}")
+    return [known[n] for n in names]
+
+
 def gate_targets(config) -> list:
     chosen = backends.parse_backend_option(config.getoption("--attncheck-backend"))
     overrides = specs.parse_impl_overrides(config.getoption("--attncheck-impl"))
     params = []
-    for spec in specs.all_specs().values():
+    for spec in selected_specs(config):
         impls = ({"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls))
         for impl_name, ref in impls.items():
             for name in spec.backends:
@@ -32,4 +44,4 @@ def pytest_generate_tests(metafunc):
         # simply contributes no test.
         metafunc.parametrize("gate_invalid", [
             pytest.param(call, id=f"{spec.name}-{call.description}")
-            for spec in specs.all_specs().values() for call in spec.invalid_calls()])
+            for spec in selected_specs(metafunc.config) for call in spec.invalid_calls()])

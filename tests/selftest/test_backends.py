@@ -1,0 +1,105 @@
+"""Backends: selection without a TPU, hazard variants, and proof the hazard modes are live."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attncheck import backends
+
+
+def test_default_selects_every_backend_and_unknown_names_are_rejected():
+    assert backends.parse_backend_option(None) == list(backends.BACKENDS)
+    assert backends.parse_backend_option("interpret, xla") == ["interpret", "xla"]
+    with pytest.raises(ValueError, match=r"--attncheck-backend: unknown backend\(s\) \['tpuu'\]"):
+        backends.parse_backend_option("interpret,tpuu")
+
+
+def test_tpu_backend_follows_the_devices(monkeypatch):
+    reason = backends.BACKENDS["tpu"].unavailable_reason()
+    assert reason is not None and "cpu" in reason
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="tpu")])
+    assert backends.BACKENDS["tpu"].unavailable_reason() is None
+
+
+def test_gate_parametrization_skips_unavailable_backends_with_reason(pytestconfig):
+    from tests.gate.conftest import gate_targets
+
+    params = gate_targets(pytestconfig)
+    tpu = [p for p in params if p.values[0][3] == "tpu"]
+    assert tpu and all(m.name == "skip" and "no TPU" in m.kwargs["reason"] for p in tpu for m in p.marks)
+    assert any(not p.marks for p in params if p.values[0][3] == "interpret")
+
+
+def test_hazard_variants_rotate_through_every_mode():
+    hazards = backends.BACKENDS["interpret-hazards"]
+    seen = [hazards.settings(seed) for seed in range(len(backends.HAZARD_VARIANTS))]
+    assert all(s["detect_races"] and s["uninitialized_memory"] == "nan" for s in seen)
+    assert {s["num_cores_or_threads"] for s in seen} == {1, 2}
+    assert {s["dma_execution_mode"] for s in seen} == {"on_wait", "eager"}
+    assert any(s.get("random_seed") is not None for s in seen)
+    assert backends.BACKENDS["xla"].settings(3) == {}
+
+
+def test_interpreter_state_is_reset_after_an_exception(monkeypatch):
+    calls = []
+    monkeypatch.setattr(pltpu, "reset_tpu_interpret_mode_state", lambda: calls.append(1))
+    with pytest.raises(RuntimeError):
+        with backends.BACKENDS["interpret"].context():
+            raise RuntimeError("kernel crashed")
+    assert calls == [1]
+
+
+def _sum_over_parallel_axis(x):
+    """A planted bug: every grid step accumulates into one output block, but the axis is
+    declared "parallel", so two cores race on it."""
+
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += x_ref[...]
+
+    return pl.pallas_call(
+        kernel, grid=(x.shape[0] // 8,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x)
+
+
+def test_hazard_backend_reports_a_planted_race():
+    x = jnp.ones((32, 128), jnp.float32)
+    hazards = backends.BACKENDS["interpret-hazards"]
+    two_core_seed = next(s for s in range(8) if hazards.settings(s)["num_cores_or_threads"] == 2)
+    with pytest.raises(Exception, match="(?i)race"):
+        with hazards.context(two_core_seed):
+            jax.block_until_ready(jax.jit(_sum_over_parallel_axis)(x))
+    # The plain interpret backend runs the same kernel serially and sees no problem: only
+    # the hazard mode can tell.
+    with backends.BACKENDS["interpret"].context():
+        assert np.all(np.asarray(jax.jit(_sum_over_parallel_axis)(x)) == 4)
+
+
+def _reads_scratch_before_writing(x):
+    def kernel(x_ref, o_ref, scratch_ref):
+        o_ref[...] = x_ref[...] + scratch_ref[...]  # the bug: scratch never initialised
+
+    return pl.pallas_call(
+        kernel, grid=(1,), in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])(x)
+
+
+def test_interpret_backend_poisons_uninitialised_scratch():
+    with backends.BACKENDS["interpret"].context():
+        out = np.asarray(jax.jit(_reads_scratch_before_writing)(jnp.ones((8, 128), jnp.float32)))
+    assert np.isnan(out).all()
