@@ -43,6 +43,10 @@ def cmd_repro(args) -> int:
 
     record = _find_record(pathlib.Path(args.report), args.case_id, args.impl, args.backend)
     case = specs.Case.from_json(record["case"])
+    specs.add_spec_modules(args.spec)
+    if case.family not in specs.all_specs():
+        raise SystemExit(f"attncheck repro: unknown kernel family {case.family!r} (known: "
+                         f"{', '.join(sorted(specs.all_specs()))}); pass --spec MODULE for a user spec")
     spec = specs.all_specs()[case.family]
     backend_name = args.backend or record["backend"]
     impl = specs.resolve_impl(record["impl_ref"])
@@ -103,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=DEFAULT_REPORT)
     p.add_argument("--impl", default=None)
     p.add_argument("--backend", default=None)
+    p.add_argument("--spec", action="append", default=[], metavar="MODULE",
+                   help="a spec module the case's family comes from (as given to --attncheck-spec)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_repro)
     p = sub.add_parser("report", help="(re)merge the records of a run into its reports")

@@ -38,8 +38,16 @@ class Outcome:
         return "\n".join(lines)
 
 
-def repro_command(case: Case, impl_name: str, backend: str) -> str:
-    return f"attncheck repro {case.id} --impl {impl_name} --backend {backend}"
+# Spec modules under this package are always known to ``attncheck repro``; any other one
+# (``--attncheck-spec``) is named in the reproducer so that it stays one command.
+BUILTIN_SPEC_PACKAGE = "attncheck.specs."
+
+
+def repro_command(case: Case, impl_name: str, backend: str, spec_module: str | None = None) -> str:
+    command = f"attncheck repro {case.id} --impl {impl_name} --backend {backend}"
+    if spec_module and not spec_module.startswith(BUILTIN_SPEC_PACKAGE):
+        command += f" --spec {spec_module}"
+    return command
 
 
 def _base_record(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, backend: Backend) -> dict:
@@ -50,7 +58,7 @@ def _base_record(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, b
         "backend": backend.name, "backend_settings": {k: v for k, v in settings.items()},
         "dtype": str(case.get("dtype", "")), "config": spec.shape_summary(case),
         "seq_len": spec.seq_len(case), "device_count": spec.device_count(case),
-        "classes": sorted(spec.classes(case)), "repro": repro_command(case, impl_name, backend.name),
+        "classes": sorted(spec.classes(case)), "repro": repro_command(case, impl_name, backend.name, type(spec).__module__),
     }
 
 

@@ -115,7 +115,7 @@ def device_growth(records: list[dict]) -> list[dict]:
 
 
 def write_reports(directory, *, run_id, complete, selected_backends=None, baseline_path=None,
-                  require_coverage=False, wall_s=0.0) -> ReportResult:
+                  require_coverage=False, wall_s=0.0, failed_tests=None) -> ReportResult:
     from attncheck import backends, specs
 
     directory = pathlib.Path(directory)
@@ -124,6 +124,11 @@ def write_reports(directory, *, run_id, complete, selected_backends=None, baseli
     if not complete:
         problems.append("run interrupted: the report holds the records written before the stop")
     failing = [r for r in records if r["outcome"] != "pass"]
+    # A test can fail without a failing record (a timeout, a crashed worker, a failing
+    # non-gate test): the report must not say PASS then.
+    recorded = {r.get("nodeid") for r in failing}
+    problems += [f"{nodeid} failed without a failing record: {reason[:300]}"
+                 for nodeid, reason in sorted((failed_tests or {}).items()) if nodeid not in recorded]
     skipped = [{"backend": name, "reason": reason} for name, b in backends.BACKENDS.items()
                if (reason := b.unavailable_reason()) is not None]
     if selected_backends:
@@ -148,7 +153,8 @@ def write_reports(directory, *, run_id, complete, selected_backends=None, baseli
             problems.extend(report["regressions"])
     report["problems"] = problems
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    (directory / "report.json").write_text(json.dumps(_json_safe(report), indent=1, sort_keys=True, default=str,
+                                                      allow_nan=False))
     markdown = render_markdown(report, failing)
     (directory / "report.md").write_text(markdown)
     (directory / "report.html").write_text(render_html(report))
@@ -157,6 +163,18 @@ def write_reports(directory, *, run_id, complete, selected_backends=None, baseli
         with open(summary_path, "a", encoding="utf-8") as fh:
             fh.write(markdown)
     return ReportResult(report, problems)
+
+
+def _json_safe(value):
+    """JSON has no inf/nan (JSON.parse rejects Python's Infinity): write them as "inf"/"nan",
+    as records do (e.g. the worst budget of a group holding a crashed case)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def b_available(name: str) -> bool:
