@@ -72,12 +72,18 @@ class Backend:
 TPU_EXPORT_DEVICE_KIND = "TPU v5 lite"
 
 
-def export_for_tpu(fn: Callable, *args):
-    """``jax.export`` of ``fn`` for platform tpu (arrays or ShapeDtypeStructs as args)."""
+def export_for_tpu(fn: Callable, *args, device_kind: str | None = TPU_EXPORT_DEVICE_KIND):
+    """``jax.export`` of ``fn`` for platform tpu (arrays or ShapeDtypeStructs as args).
+
+    ``device_kind=None`` exports without the abstract mesh: a function that runs its own
+    ``shard_map`` over the CPU devices must not be nested in another mesh.
+    """
     structs = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    if device_kind is None:
+        return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
     mesh = jax.sharding.AbstractMesh(
         (1,), ("export",), (jax.sharding.AxisType.Explicit,),
-        abstract_device=jax.sharding.AbstractDevice(device_kind=TPU_EXPORT_DEVICE_KIND, num_cores=1,
+        abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1,
                                                     platform="tpu"))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)

@@ -660,6 +660,19 @@ def _segment_id_tiles(segment_ids, batch, q_len, kv_len):
     return q_ids, kv_ids
 
 
+def _output_struct(shape, dtype, inputs, offsets):
+    """A pallas_call output type that varies over every manual mesh axis any input does.
+
+    Inside ``jax.shard_map`` with ``check_vma=True`` (the default) an output's type must
+    say which mesh axes it varies over, and ``pallas_call`` inserts no ``pvary`` itself:
+    a ring step's output varies wherever its q/k/v chunks or its offsets do.
+    """
+    varying = frozenset()
+    for x in jax.tree.leaves((inputs, offsets)):
+        varying |= frozenset(jax.typeof(x).mat.varying)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
 def _fwd_call(q, k, v, ab, segment_ids, carry, q_offset, kv_offset, *, causal,
               sm_scale, block_sizes, vmem_limit_bytes, out_dtype, save_stats):
     """Shared forward: returns (o, l, m); l/m are None unless save_stats."""
@@ -709,8 +722,9 @@ def _fwd_call(q, k, v, ab, segment_ids, carry, q_offset, kv_offset, *, causal,
     ]
     inputs = [q, k, v, o_in, l_in, m_in, ab, q_ids, kv_ids]
 
-    stat_shape = jax.ShapeDtypeStruct((batch, heads, q_len, MIN_BLOCK_SIZE), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype),
+    offsets = (q_offset, kv_offset)
+    stat_shape = _output_struct((batch, heads, q_len, MIN_BLOCK_SIZE), jnp.float32, inputs, offsets)
+    out_shape = [_output_struct(q.shape, out_dtype, inputs, offsets),
                  stat_shape if save_stats else None,
                  stat_shape if save_stats else None]
     out_specs = [q_spec, stat_spec if save_stats else None,
@@ -865,8 +879,8 @@ def _dkv_call(q, k, v, ab, segment_ids, l, m, do, di, q_offset, kv_offset, *, ca
         stat_spec, stat_spec, q_spec, stat_spec,
     ]
     inputs = [q, k, v, ab, q_ids, kv_ids, l, m, do, di]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, dk_dtype),
-                 jax.ShapeDtypeStruct(v.shape, dv_dtype)]
+    out_shape = [_output_struct(k.shape, dk_dtype, inputs, (q_offset, kv_offset)),
+                 _output_struct(v.shape, dv_dtype, inputs, (q_offset, kv_offset))]
     out_specs = [kv_spec, kv_spec]
     kernel = functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale,
                                block_q=block_q, block_k=block_k,
@@ -1000,8 +1014,8 @@ def _dq_call(q, k, v, ab, segment_ids, l, m, do, di, q_offset, kv_offset, *, cau
         stat_spec, stat_spec, q_spec, stat_spec,
     ]
     inputs = [q, k, v, ab, q_ids, kv_ids, l, m, do, di]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, dq_dtype),
-                 None if ab is None else jax.ShapeDtypeStruct(ab.shape, ab.dtype)]
+    out_shape = [_output_struct(q.shape, dq_dtype, inputs, (q_offset, kv_offset)),
+                 None if ab is None else _output_struct(ab.shape, ab.dtype, inputs, (q_offset, kv_offset))]
     out_specs = [q_spec,
                  None if ab is None else pl.BlockSpec((1, 1, block_q, block_k_major),
                                                       dab_map)]

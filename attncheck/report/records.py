@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterable
+import resource
 
 SCHEMA_VERSION = 1
 RECORDS_DIR = "records"
@@ -25,7 +25,10 @@ class RecordWriter:
         self.worker = worker
 
     def write(self, record: dict) -> None:
-        record = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "worker": self.worker, **record}
+        # ru_maxrss is in KiB on Linux: the worker's peak so far, for the benchmark.
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        record = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "worker": self.worker,
+                  "worker_peak_rss_mb": round(peak_mb, 1), **record}
         line = json.dumps(record, sort_keys=True, allow_nan=False)
         # One write per complete line, flushed: an interrupted run loses at most the line
         # being written, never corrupts earlier ones.
@@ -66,7 +69,9 @@ def record_key(record: dict) -> tuple:
             record.get("case_id", ""), record.get("direction", ""), record.get("nodeid", ""))
 
 
-def duplicates(records: Iterable[dict]) -> list[tuple]:
+
+def duplicates(records) -> list[tuple]:
+    """Keys that occur more than once: a merge must produce none."""
     seen, dup = set(), []
     for r in records:
         key = record_key(r)

@@ -7,11 +7,12 @@ import importlib
 
 from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
 
-# Module path of each family's spec; a module exposes SPEC.
+# Module path of each family's spec; a module exposes SPEC (or SPECS, a list).
 SPEC_MODULES = [
     "attncheck.specs.flash",
     "attncheck.specs.ffn",
     "attncheck.specs.ragged",
+    "attncheck.specs.ring",
 ]
 
 
@@ -27,8 +28,9 @@ def add_spec_modules(names: list[str]) -> None:
 def all_specs() -> dict[str, KernelSpec]:
     found = {}
     for name in SPEC_MODULES:
-        spec = importlib.import_module(name).SPEC
-        found[spec.name] = spec
+        module = importlib.import_module(name)
+        for spec in getattr(module, "SPECS", None) or [module.SPEC]:
+            found[spec.name] = spec
     return found
 
 

@@ -1,0 +1,288 @@
+"""Ring attention families, verified over 1, 2, 4 and 8 devices against the *global* oracle.
+
+Conventions (kernels/ring_attention.py): [B, S, H, D] sharded contiguously on S over a 1-D
+mesh; logits = (q.k) * sm_scale + bias (bias after the scale); causal over global
+positions (top-left); segment ids (q, kv) equal attend, and they may cross device
+boundaries; bias [B|1, H|1, S|1, S] sharded on queries, replicated on keys; a query that
+sees no key (its segment absent from kv) outputs 0 with no gradient ("zero").
+
+- ``ring_attention``: blockwise pure JAX (chunks inside each device), backend xla;
+- ``ring_attention_standard``: one boolean-masked block per step (the mask carries causal
+  and segments), backend xla;
+- ``ring_flash_attention``: the Pallas flash kernels per step, Pallas backends.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+from attncheck import backends, baseline, oracle
+from attncheck import strategies as S
+from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+
+DEVICE_COUNTS = (1, 2, 4, 8)
+ABSENT_SEGMENT = 1000
+BIAS_KINDS = ("none", "full", "key_padding")
+SEGMENT_KINDS = ("none", "packed", "absent")
+# Bias of the padded keys in "key_padding": soft, so no row becomes fully masked by it.
+KEY_PADDING_BIAS = -30.0
+
+
+@st.composite
+def ring_cases(draw, family: str, per_device_lens: tuple[int, ...], head_dim: int, chunked: bool,
+               max_tokens: int) -> Case:
+    devices = draw(st.sampled_from(DEVICE_COUNTS))
+    per_device = draw(st.sampled_from([n for n in per_device_lens if n * devices <= max_tokens]
+                                      or [min(per_device_lens)]))
+    seq = per_device * devices
+    segments = draw(st.sampled_from(SEGMENT_KINDS))
+    params = dict(
+        dtype=draw(st.sampled_from(tuple(S.DTYPES))), devices=devices, seq_len=seq, per_device=per_device,
+        heads=draw(st.sampled_from((1, 2))), head_dim=head_dim, causal=draw(st.booleans()),
+        bias=draw(st.sampled_from(BIAS_KINDS)), segments=segments,
+        segment_starts=draw(S.segment_layout(seq)) if segments != "none" else (),
+        float32_logits=draw(st.booleans()), values=draw(st.sampled_from(S.VALUE_KINDS)))
+    if chunked:
+        params["query_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
+        params["key_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
+    return make_case(family, draw(S.seeds), **params)
+
+
+class RingSpec(KernelSpec):
+    """One ring variant; subclasses say how to call it."""
+
+    coverage_classes = ("multi_device", "single_device", "ring_of_8", "causal", "segments_cross_devices",
+                        "fully_masked_row", "bias", "bf16", "large_logits", "exact_ties")
+    head_dim = 32
+    per_device_lens = (16, 32)
+    max_tokens = 256
+    chunked = False
+
+    def cases(self):
+        return ring_cases(self.name, self.per_device_lens, self.head_dim, self.chunked, self.max_tokens)
+
+    def inputs(self, case):
+        rng = np.random.default_rng(case.seed)
+        dt = S.dtype_of(case["dtype"])
+        b, s, h, d = 1, case["seq_len"], case["heads"], case["head_dim"]
+        # Values are drawn head-major ([B, H, S, D], as the helpers tie keys along S) and
+        # handed to the kernel as [B, S, H, D].
+        out = {name: S.round_to(S.attention_values(rng, case["values"], (b, h, s, d), role=name), dt)
+               .transpose(0, 2, 1, 3) for name in ("q", "k", "v", "d_out")}
+        if case["bias"] == "full":
+            out["bias"] = S.round_to(rng.standard_normal((b, h, s, s)), dt)
+        elif case["bias"] == "key_padding":
+            padded = rng.random(s) < 0.25
+            out["bias"] = S.round_to(np.where(padded, KEY_PADDING_BIAS, 0.0)[None, None, None, :], dt)
+        if case["segments"] != "none":
+            ids = S.segment_ids_from_layout(case["segment_starts"], s)
+            q_ids = ids.copy()
+            if case["segments"] == "absent":
+                q_ids[ids == ids.max()] = ABSENT_SEGMENT
+            out["q_segment_ids"], out["kv_segment_ids"] = q_ids[None], ids[None]
+        return out
+
+    # ------------------------------------------------------------------ running
+    def run(self, impl, case, inputs):
+        names = ("q", "k", "v") + (("bias",) if "bias" in inputs else ())
+        key = (impl.__module__, impl.__qualname__, _static(case), "bias" in inputs, "q_segment_ids" in inputs)
+        fn = _JITTED.get(key)
+        if fn is None:
+            call = self.call(impl, case)
+
+            def forward_and_grads(primals, segments, d_out):
+                out, vjp = jax.vjp(lambda *p: call(*p, segments=segments), *primals)
+                return (out, *vjp(d_out))
+
+            fn = _JITTED[key] = jax.jit(forward_and_grads)
+        segments = (inputs["q_segment_ids"], inputs["kv_segment_ids"]) if "q_segment_ids" in inputs else None
+        results = fn(tuple(inputs[n] for n in names), segments, inputs["d_out"])
+        grads = dict(zip(("out", "dq", "dk", "dv", "dbias"), results))
+        # Back to head-major [B, H, S, D] for comparison with the oracle.
+        return {k: np.asarray(v).transpose(0, 2, 1, 3) if k != "dbias" else np.asarray(v) for k, v in grads.items()}
+
+    def call(self, impl, case):
+        raise NotImplementedError
+
+    def lower(self, impl, case):
+        return {}
+
+    # ------------------------------------------------------------------ judging
+    def _semantics(self, case, inputs):
+        return dict(scale=case["head_dim"] ** -0.5, causal=case["causal"], bias=inputs.get("bias"),
+                    q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"),
+                    masked_rows="zero")
+
+    @staticmethod
+    def _head_major(inputs):
+        return [inputs[n].transpose(0, 2, 1, 3) for n in ("q", "k", "v", "d_out")]
+
+    def oracle(self, case, inputs):
+        q, k, v, d_out = self._head_major(inputs)
+        sem = self._semantics(case, inputs)
+        result = {"out": oracle.attention(q, k, v, **sem).out}
+        grads = oracle.attention_vjp(q, k, v, d_out, **sem)
+        result.update({d: grads[d] for d in ("dq", "dk", "dv")})
+        if "bias" in inputs:
+            result["dbias"] = grads["dbias"]
+        return result
+
+    def baseline(self, case, inputs):
+        q, k, v, d_out = self._head_major(inputs)
+        sem = self._semantics(case, inputs)
+        visible = baseline.visibility(np.arange(case["seq_len"]), np.arange(case["seq_len"]), causal=case["causal"],
+                                      q_segment_ids=sem["q_segment_ids"], kv_segment_ids=sem["kv_segment_ids"])
+        result = baseline.attention_with_grads(q, k, v, d_out, scale=sem["scale"], bias=sem["bias"],
+                                               visible=visible, masked_rows="zero")
+        return result
+
+    def output_dtypes(self, case):
+        dt = S.dtype_of(case["dtype"])
+        return {d: dt for d in ("out", "dq", "dk", "dv", "dbias")}
+
+    def classes(self, case):
+        tags = {"multi_device" if case["devices"] > 1 else "single_device"}
+        if case["devices"] == 8:
+            tags.add("ring_of_8")
+        if case["causal"]:
+            tags.add("causal")
+        starts = case["segment_starts"]
+        if case["segments"] != "none" and any(s % case["per_device"] for s in starts[1:]):
+            tags.add("segments_cross_devices")
+        if case["segments"] == "absent":
+            tags.add("fully_masked_row")
+        if case["bias"] != "none":
+            tags.add("bias")
+        if case["dtype"] == "bfloat16":
+            tags.add("bf16")
+        if case["values"] == "large":
+            tags.add("large_logits")
+        if case["values"] == "ties":
+            tags.add("exact_ties")
+        return sorted(tags)
+
+    def seq_len(self, case):
+        return case["seq_len"]
+
+    def index_names(self, direction):
+        if direction == "dbias":
+            return ("batch", "head", "query", "key")
+        return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
+                "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}.get(direction)
+
+    def invalid_calls(self):
+        impl = resolve_impl(self.default_impls["builtin"])
+        x = jnp.zeros((1, 64, 2, 32), jnp.float32)
+        call = functools.partial(impl, x, x, x, num_devices=2)
+        return [
+            InvalidCall("bias_key_axis_not_global", lambda: call(jnp.zeros((1, 1, 64, 32), jnp.float32)),
+                        ValueError, r"attn_bias|attn_mask"),
+            InvalidCall("devices_not_dividing", lambda: impl(x[:, :60], x[:, :60], x[:, :60], num_devices=8),
+                        ValueError, r"(?i)(devices|seq|divid|shard)"),
+            InvalidCall("kv_head_dim", lambda: impl(x, x[..., :16], x[..., :16], num_devices=2), ValueError,
+                        r"(?i)\bk\b|head_dim|shape"),
+        ]
+
+
+def _static(case):
+    return tuple(sorted((k, v) for k, v in case.params.items()
+                        if k not in ("values", "segment_starts", "bias", "segments")))
+
+
+_JITTED: dict = {}
+
+
+class BlockwiseRingSpec(RingSpec):
+    name = "ring_attention"
+    default_impls = {"builtin": "kernels.ring_attention:ring_attention_sharded"}
+    backends = ("xla",)
+    chunked = True
+    examples = {"xla": 24}
+
+    def call(self, impl, case):
+        def f(q, k, v, bias=None, *, segments):
+            seg = _segment_pair(segments)
+            return impl(q, k, v, bias, seg, num_devices=case["devices"], causal=case["causal"],
+                        float32_logits=case["float32_logits"], query_chunk_size=case["query_chunk_size"],
+                        key_chunk_size=case["key_chunk_size"])
+        return f
+
+
+class StandardRingSpec(RingSpec):
+    name = "ring_attention_standard"
+    default_impls = {"builtin": "kernels.ring_attention:ring_attention_standard_sharded"}
+    backends = ("xla",)
+    examples = {"xla": 16}
+
+    def call(self, impl, case):
+        # The mask carries causal and segments; the bias is not part of this convention.
+        def f(q, k, v, bias=None, *, segments):
+            s = q.shape[1]
+            mask = jnp.ones((s, s), bool)
+            if case["causal"]:
+                mask = jnp.tril(mask)
+            if segments is not None:
+                mask = mask & (segments[0][0][:, None] == segments[1][0][None, :])
+            return impl(q, k, v, mask[None, None], num_devices=case["devices"],
+                        float32_logits=case["float32_logits"])
+        return f
+
+    coverage_classes = tuple(c for c in RingSpec.coverage_classes if c != "bias")
+
+    def cases(self):
+        return super().cases().map(lambda c: Case(c.family, {**c.params, "bias": "none"}, c.seed))
+
+    def invalid_calls(self):
+        return []  # shares the validation code of ring_attention, tested there
+
+
+class RingFlashSpec(RingSpec):
+    name = "ring_flash_attention"
+    default_impls = {"builtin": "kernels.ring_attention:ring_flash_attention_tpu_sharded"}
+    backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
+    head_dim = 128
+    # >= 128 tokens per device (128-lane blocks); 256 makes each step multi-block.
+    per_device_lens = (128, 256)
+    max_tokens = 1024
+    examples = {"interpret": 6, "interpret-hazards": 2, "tpu-lower": 2, "tpu": 6}
+
+    def call(self, impl, case):
+        def f(q, k, v, bias=None, *, segments):
+            seg = _segment_pair(segments)
+            return impl(q, k, v, bias, seg, num_devices=case["devices"], causal=case["causal"],
+                        float32_logits=case["float32_logits"])
+        return f
+
+    def lower(self, impl, case):
+        inputs = self.inputs(case)
+        call = self.call(impl, case)
+        segments = (inputs["q_segment_ids"], inputs["kv_segment_ids"]) if "q_segment_ids" in inputs else None
+        args = [inputs[n] for n in ("q", "k", "v")] + ([inputs["bias"]] if "bias" in inputs else [])
+
+        def grads(*primals):
+            out, vjp = jax.vjp(lambda *p: call(*p, segments=segments), *primals)
+            return vjp(out)
+
+        return {"lower-fwd": lambda: backends.export_for_tpu(lambda *p: call(*p, segments=segments), *args,
+                                                             device_kind=None),
+                "lower-grad": lambda: backends.export_for_tpu(grads, *args, device_kind=None)}
+
+
+class SegmentPair(NamedTuple):
+    """(q, kv) segment ids: the convention accepts any pair with these attributes."""
+
+    q: jax.Array
+    kv: jax.Array
+
+
+def _segment_pair(segments):
+    return None if segments is None else SegmentPair(*segments)
+
+
+SPECS = [BlockwiseRingSpec(), StandardRingSpec(), RingFlashSpec()]
