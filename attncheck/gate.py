@@ -103,6 +103,12 @@ def check_case(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, bac
         cmp = numerics.compare(got[direction], truth[direction], reference[direction],
                                dtype=dtypes[direction], direction=direction, care=care.get(direction))
         outcome, reason = ("pass" if cmp.passed else "fail"), cmp.reason
+        delivered = np.asarray(got[direction]).dtype
+        if delivered != np.dtype(dtypes[direction]):
+            # A gradient in another dtype than its primal breaks the caller's optimizer
+            # state and hides precision loss (or gain) from the comparison above.
+            outcome, reason = "fail", (f"returned {direction} in {delivered}, expected {np.dtype(dtypes[direction])} "
+                                       f"(the dtype of its input); {cmp.reason}")
         if cmp.passed and cmp.baseline_ulps > MAX_BASELINE_ULPS:
             outcome = "error"
             reason = (f"baseline is {cmp.baseline_ulps:.0f} ulps from the oracle (> {MAX_BASELINE_ULPS:g}): "

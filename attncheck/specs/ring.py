@@ -139,7 +139,7 @@ class RingSpec(KernelSpec):
         visible = baseline.visibility(np.arange(case["seq_len"]), np.arange(case["seq_len"]), causal=case["causal"],
                                       q_segment_ids=sem["q_segment_ids"], kv_segment_ids=sem["kv_segment_ids"])
         result = baseline.attention_with_grads(q, k, v, d_out, scale=sem["scale"], bias=sem["bias"],
-                                               visible=visible, masked_rows="zero")
+                                               visible=visible, masked_rows="zero", seq_major=True)
         return result
 
     def output_dtypes(self, case):
