@@ -70,22 +70,32 @@ def coverage(records: list[dict], applicable: dict[str, tuple[str, ...]]) -> dic
     return table
 
 
+def _accepted_impl(impl: str) -> str:
+    # A user's implementation (--attncheck-impl) is held to the built-in one's budgets.
+    return "builtin" if impl == "user" else impl
+
+
 def regressions(rows: list[dict], baseline: dict) -> list[str]:
-    accepted = {(b["kernel"], b["backend"], b["dtype"], b["direction"]): b["worst_budget"]
+    """Budgets that grew past the accepted ones. Keyed by implementation too: a family's
+    implementations differ legitimately (e.g. blockwise vs one-shot reductions), so each
+    is compared with its own accepted budget, never with another's."""
+    accepted = {(b["kernel"], b.get("impl", "builtin"), b["backend"], b["dtype"], b["direction"]): b["worst_budget"]
                 for b in baseline.get("budgets", [])}
     found = []
     for row in rows:
-        key = (row["kernel"], row["backend"], row["dtype"], row["direction"])
+        key = (row["kernel"], _accepted_impl(row["impl"]), row["backend"], row["dtype"], row["direction"])
         if key in accepted and row["worst_budget"] > REGRESSION_FACTOR * max(accepted[key], 1e-3):
-            found.append(f"numerics regression: {'/'.join(key)} worst budget {row['worst_budget']:.3g} "
-                         f"> {REGRESSION_FACTOR} x baseline {accepted[key]:.3g} (case {row['worst_case']})")
+            found.append(f"numerics regression: {'/'.join((row['kernel'], row['impl']) + key[2:])} worst budget "
+                         f"{row['worst_budget']:.3g} > {REGRESSION_FACTOR} x baseline {accepted[key]:.3g} "
+                         f"(case {row['worst_case']})")
     return found
 
 
 def baseline_from(report: dict) -> dict:
+    """The accepted worst budgets: every passing group of the family's own implementations."""
     return {"schema_version": rec.SCHEMA_VERSION,
-            "budgets": [{k: row[k] for k in ("kernel", "backend", "dtype", "direction", "worst_budget")}
-                        for row in report["summary"] if row["impl"] == "builtin" and row["failures"] == 0]}
+            "budgets": [{k: row[k] for k in ("kernel", "impl", "backend", "dtype", "direction", "worst_budget")}
+                        for row in report["summary"] if row["impl"] != "user" and row["failures"] == 0]}
 
 
 def build_report(records: list[dict], *, run_id, complete, problems, skipped_backends,

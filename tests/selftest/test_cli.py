@@ -1,0 +1,109 @@
+"""The ``attncheck`` command line on toy gate runs: repro, report, baseline update, and the
+gate's --attncheck-baseline. The CLI runs as ``python -m attncheck`` with cwd = the run's dir."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+
+import pytest
+
+from attncheck.report import records as rec
+from tests.selftest import toy_spec
+
+pytest_plugins = ("pytester",)
+WORST = re.compile(r"worst at batch=(\d+), head=(\d+), (query|key)=(\d+), dim=(\d+): "
+                   r"kernel (\S+) vs oracle (\S+) \(")
+
+
+@pytest.fixture
+def gate_dir(pytester, monkeypatch):
+    return toy_spec.setup_gate_dir(pytester, monkeypatch)
+
+
+def _keys(report: dict) -> list[tuple]:
+    return sorted((rec.record_key(r), r["outcome"]) for r in report["records"])
+
+
+def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    report = toy_spec.load_report(gate_dir / "rep")
+    failing = [r for r in report["records"] if r["outcome"] == "fail"]
+    case_id = failing[0]["case_id"]
+    recorded = {r["direction"]: r for r in failing if r["case_id"] == case_id}
+    assert set(recorded) == set(toy_spec.DIRECTIONS)
+
+    # The reproducer exactly as the report prints it.
+    argv = shlex.split(failing[0]["repro"])
+    assert argv[:3] == ["attncheck", "repro", case_id]
+    proc = toy_spec.cli(gate_dir, *argv[1:], "--report", "rep")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"case {case_id}: toy_attention / user ({toy_spec.SPEC_MODULE}:toy_attention_wrong_scale) on xla" in out
+    lines = out.splitlines()
+    for direction, r in recorded.items():
+        at = next(i for i, line in enumerate(lines) if re.match(rf"\s+{direction}: FAIL\s+max abs error", line))
+        match = WORST.search(lines[at + 1])
+        assert match, lines[at + 1]
+        b, h, axis, i, d, kernel, oracle = match.groups()
+        assert axis == ("query" if direction in ("out", "dq") else "key")
+        # The same worst element and values as the gate recorded: the failure reproduced.
+        assert [int(b), int(h), int(i), int(d)] == r["metrics"]["worst_index"]
+        assert math.isclose(float(kernel), r["metrics"]["worst_kernel"], rel_tol=1e-6)
+        assert math.isclose(float(oracle), r["metrics"]["worst_oracle"], rel_tol=1e-6)
+        assert not math.isclose(float(kernel), float(oracle), rel_tol=1e-3)
+
+    # Without the spec module the family is unknown: a clear message, not a KeyError.
+    proc = toy_spec.cli(gate_dir, "repro", case_id, "--report", "rep")
+    assert proc.returncode != 0 and "unknown kernel family 'toy_attention'" in proc.stderr, proc.stderr
+    assert "--spec" in proc.stderr
+
+    # `attncheck report` re-merges the records into fresh reports (incomplete unless told).
+    for name in ("report.json", "report.md", "report.html"):
+        (gate_dir / "rep" / name).unlink()
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("# attncheck: FAIL") and f"`{case_id}`" in proc.stdout
+    merged = toy_spec.load_report(gate_dir / "rep")
+    assert _keys(merged) == _keys(report) and merged["run_id"] == report["run_id"]
+    assert merged["complete"] is False and (gate_dir / "rep" / "report.html").exists()
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--complete")
+    assert proc.returncode == 1
+    assert toy_spec.load_report(gate_dir / "rep")["complete"] is True
+
+
+def test_baseline_update_then_a_grown_budget_is_a_numerics_regression(gate_dir, pytester):
+    result = toy_spec.run_gate(pytester, "rep")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    report = toy_spec.load_report(gate_dir / "rep")
+
+    proc = toy_spec.cli(gate_dir, "baseline", "update", "--report", "rep", "--output", "baseline.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    baseline = json.loads((gate_dir / "baseline.json").read_text())
+    # One accepted budget per implementation x dtype x direction.
+    assert len(report["summary"]) == len(toy_spec.SPEC.default_impls) * 2 * len(toy_spec.DIRECTIONS)
+    assert f"wrote {len(report['summary'])} accepted budgets" in proc.stdout
+    fields = ("kernel", "impl", "backend", "dtype", "direction", "worst_budget")
+    assert baseline["budgets"] == [{k: row[k] for k in fields} for row in report["summary"]]
+    assert all(0 < b["worst_budget"] < 1 for b in baseline["budgets"])
+
+    # Pretend the accepted budgets were 10x smaller: the same draws now grew past them.
+    shrunk = {**baseline, "budgets": [{**b, "worst_budget": b["worst_budget"] / 10} for b in baseline["budgets"]]}
+    (gate_dir / "shrunk.json").write_text(json.dumps(shrunk))
+    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-baseline=shrunk.json")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["GATE FAILURE: numerics regression: toy_attention/builtin/xla/*"])
+    regressed = toy_spec.load_report(gate_dir / "rep2")
+    assert regressed["totals"]["failures"] == 0  # every comparison passed: only the baseline fails it
+    assert len(regressed["regressions"]) == len(baseline["budgets"])
+    assert set(regressed["regressions"]) <= set(regressed["problems"])
+    markdown = (gate_dir / "rep2" / "report.md").read_text()
+    assert markdown.startswith("# attncheck: FAIL") and "numerics regression: toy_attention/lse/xla/" in markdown
+
+    # Against the real baseline the same records are no regression.
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep2", "--complete", "--baseline", "baseline.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert toy_spec.load_report(gate_dir / "rep2")["regressions"] == []

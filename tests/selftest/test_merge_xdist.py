@@ -1,0 +1,161 @@
+"""The records of a gate run survive xdist, reruns, interruptions and hangs (pytester, subprocess).
+
+Each run is the project's own tests/gate module on the toy family (tests/selftest/toy_spec.py);
+every toy case makes 4 comparisons (out, dq, dk, dv) and so 4 records.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import re
+
+import jsonschema
+import pytest
+
+from attncheck.report import records as rec
+from tests.selftest import toy_spec
+
+pytest_plugins = ("pytester",)
+DIRECTIONS = set(toy_spec.DIRECTIONS)
+USER_TEST = "test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla]"
+# The gate module also checks that each invalid call of the family is rejected.
+INVALID_TESTS = len(toy_spec.SPEC.invalid_calls())
+
+
+@pytest.fixture
+def gate_dir(pytester, monkeypatch) -> pathlib.Path:
+    return toy_spec.setup_gate_dir(pytester, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def validator():
+    return jsonschema.Draft202012Validator(toy_spec.load_schema())
+
+
+def check_report(report_dir: pathlib.Path, validator) -> dict:
+    """report.json is valid, holds no duplicate record and only records of its own run."""
+    report = toy_spec.load_report(report_dir)
+    validator.validate(report)
+    records = report["records"]
+    assert not rec.duplicates(records), rec.duplicates(records)
+    assert {r["run_id"] for r in records} <= {report["run_id"]}
+    files = sorted(p.name for p in (report_dir / rec.RECORDS_DIR).glob("*.jsonl"))
+    assert all(name.startswith(report["run_id"] + "-") for name in files), files
+    assert report["totals"]["records"] == len(records)
+    assert report["totals"]["failures"] == sum(r["outcome"] != "pass" for r in records)
+    return report
+
+
+def comparisons(report: dict) -> set[tuple]:
+    return {(r["impl"], r["case_id"], r["direction"], r["outcome"]) for r in report["records"]}
+
+
+def executed(path: pathlib.Path) -> set[tuple[str, str]]:
+    """(impl_ref, case_id) of every case the toy spec really ran (its call log)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {tuple(line.split()[1:]) for line in lines}
+
+
+def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, validator):
+    # Three runs at once, each into its own report directory: -n 0, -n 2 and -n auto.
+    runs = {"0": "rep-n0", "2": "rep-n2", "auto": "rep-nauto"}
+    procs = {n: toy_spec.start_gate(gate_dir, report, "-n", n,
+                                    env={toy_spec.CALL_LOG_ENV: str(gate_dir / f"calls-{n}.log")})
+             for n, report in runs.items()}
+    outputs = {n: p.communicate(timeout=toy_spec.RUN_TIMEOUT_S)[0] for n, p in procs.items()}
+    reports = {}
+    for n, report_name in runs.items():
+        assert procs[n].returncode == 0, outputs[n]
+        assert f"{len(toy_spec.SPEC.default_impls) + INVALID_TESTS} passed" in outputs[n], outputs[n]
+        report = reports[n] = check_report(gate_dir / report_name, validator)
+        assert report["complete"] is True and report["problems"] == [], report["problems"]
+        records = report["records"]
+        # Every comparison executed has exactly one record: 4 per case the spec ran.
+        ran = executed(gate_dir / f"calls-{n}.log")
+        assert len(ran) >= len(toy_spec.SPEC.default_impls) * toy_spec.SPEC.examples["xla"]
+        assert len(records) == 4 * len(ran)
+        per_case = collections.Counter((r["impl_ref"], r["case_id"]) for r in records)
+        assert set(per_case) == ran
+        assert set(per_case.values()) == {4}
+        assert {r["direction"] for r in records} == DIRECTIONS
+        assert {r["impl"] for r in records} == set(toy_spec.SPEC.default_impls)
+        assert {r["outcome"] for r in records} == {"pass"}
+        assert all(r["nodeid"].startswith("test_gate.py::test_kernel_matches_oracle[") for r in records)
+    assert comparisons(reports["0"]) == comparisons(reports["2"]) == comparisons(reports["auto"])
+    # The runs did not mix: three run ids, each report holding only its own.
+    assert len({r["run_id"] for r in reports.values()}) == 3
+    assert {r["worker"] for r in reports["0"]["records"]} == {"main"}
+    for n in ("2", "auto"):
+        workers = {r["worker"] for r in reports[n]["records"]}
+        assert workers and all(w.startswith("gw") for w in workers), workers
+        files = list((gate_dir / runs[n] / rec.RECORDS_DIR).glob("*.jsonl"))
+        assert len(files) == len(workers)
+    # Gate tests ran on both workers: both worker files contributed to the -n 2 merge.
+    assert {r["worker"] for r in reports["2"]["records"]} == {"gw0", "gw1"}
+
+
+def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_dir, pytester, validator):
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.assert_outcomes(failed=1, passed=INVALID_TESTS)
+    failed = check_report(gate_dir / "rep", validator)
+    failing = [r for r in failed["records"] if r["outcome"] == "fail"]
+    assert failing and {r["outcome"] for r in failed["records"]} == {"fail"}  # the scale matters in every case
+    assert set(collections.Counter(r["case_id"] for r in failing).values()) == {4}  # every direction fails
+    case_id = failing[0]["case_id"]
+    repro = f"attncheck repro {case_id} --impl user --backend xla --spec {toy_spec.SPEC_MODULE}"
+    assert repro in {r["repro"] for r in failing}
+    markdown = (gate_dir / "rep" / "report.md").read_text()
+    assert markdown.startswith("# attncheck: FAIL")
+    assert "## Failures" in markdown and f"`{case_id}`" in markdown and f"`{repro}`" in markdown
+    result.stdout.fnmatch_lines([f"*reproduce: {repro}*"])
+
+    # --lf with the fixed implementation: only the failed test runs (same node id: the
+    # override is "user" either way), and the report is the rerun's, now passing.
+    rerun = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention"), "--lf")
+    assert rerun.ret == pytest.ExitCode.OK, rerun.stdout.str()
+    rerun.assert_outcomes(passed=1)
+    rerun.stdout.fnmatch_lines(["collected 1 item", "run-last-failure: rerun previous 1 failure*"])
+    fixed = check_report(gate_dir / "rep", validator)
+    assert fixed["run_id"] != failed["run_id"]
+    assert fixed["complete"] is True and fixed["problems"] == []
+    assert {r["nodeid"] for r in fixed["records"]} == {USER_TEST}
+    assert {r["outcome"] for r in fixed["records"]} == {"pass"}
+    assert {r["impl_ref"] for r in fixed["records"]} == {f"{toy_spec.SPEC_MODULE}:toy_attention"}
+    assert case_id in {r["case_id"] for r in fixed["records"]}  # the same draws, now passing
+    assert len(fixed["records"]) >= 4 * toy_spec.SPEC.examples["xla"]
+    assert (gate_dir / "rep" / "report.md").read_text().startswith("# attncheck: PASS")
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_interrupted_run_still_merges_and_is_marked_incomplete(gate_dir, pytester, validator, workers):
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_interrupt"), "-n", workers)
+    assert result.ret == pytest.ExitCode.INTERRUPTED, result.stdout.str()
+    # pytest: "KeyboardInterrupt"; xdist: "node down: keyboard-interrupt"
+    result.stdout.re_match_lines([r"(?i).*keyboard.?interrupt"])
+    report = check_report(gate_dir / "rep", validator)
+    assert report["complete"] is False
+    assert any(p.startswith("run interrupted") for p in report["problems"]), report["problems"]
+    # The cases before the interrupting call were recorded, completely.
+    records = report["records"]
+    assert len(records) == 4 * (toy_spec.INTERRUPT_AT - 1)
+    assert set(collections.Counter(r["case_id"] for r in records).values()) == {4}
+    assert {r["outcome"] for r in records} == {"pass"}
+    markdown = (gate_dir / "rep" / "report.md").read_text()
+    assert markdown.startswith("# attncheck: FAIL") and "(**incomplete**)" in markdown
+
+
+def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, validator):
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_hang"), "--timeout=5")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    # The hanging test fails with the timeout; the other tests still ran and passed.
+    result.assert_outcomes(failed=1, passed=INVALID_TESTS)
+    result.stdout.re_match_lines([r".*Failed: Timeout \(>5\.0s\) from pytest-timeout", f"FAILED {re.escape(USER_TEST)}"])
+    report = check_report(gate_dir / "rep", validator)
+    assert report["complete"] is True
+    assert report["records"] == []  # the hung case never produced a comparison
+    assert any(p.startswith(f"{USER_TEST} failed without a failing record: Failed: Timeout (>5.0s)")
+               for p in report["problems"]), report["problems"]
+    markdown = (gate_dir / "rep" / "report.md").read_text()
+    assert markdown.startswith("# attncheck: FAIL") and "Timeout (>5.0s)" in markdown
