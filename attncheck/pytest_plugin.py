@@ -86,7 +86,6 @@ def pytest_configure(config):
     config._attncheck_run_id = f"{time.strftime('%Y%m%dT%H%M%S')}{os.getpid()}"
     config._attncheck_started = time.time()
     directory = report_dir(config)
-    rec.clear_records(directory)
     if getattr(config.option, "xmlpath", None) is None and hasattr(config.option, "xmlpath"):
         directory.mkdir(parents=True, exist_ok=True)
         config.option.xmlpath = str(directory / "junit.xml")
@@ -172,6 +171,7 @@ def pytest_sessionfinish(session, exitstatus):
         baseline_path=config.getoption("--attncheck-baseline"),
         require_coverage=config.getoption("--attncheck-require-coverage"),
         wall_s=time.time() - config._attncheck_started, failed_tests=_failed_tests(config))
+    rec.clear_stale_records(report_dir(config), config._attncheck_run_id, config._attncheck_started)
     config._attncheck_gate_problems = result.problems
     if result.problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

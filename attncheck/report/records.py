@@ -37,11 +37,17 @@ class RecordWriter:
             fh.flush()
 
 
-def clear_records(report_dir: pathlib.Path) -> None:
+def clear_stale_records(report_dir: pathlib.Path, run_id: str, started: float) -> None:
+    """Remove record files of *other* runs last written before this run started.
+
+    Never at the start of a run and never a file still being written: a second run that
+    shares the directory (by mistake or on purpose) must not lose records to this one.
+    """
     records = pathlib.Path(report_dir) / RECORDS_DIR
     if records.is_dir():
         for f in records.glob("*.jsonl"):
-            f.unlink()
+            if not f.name.startswith(run_id + "-") and f.stat().st_mtime < started:
+                f.unlink(missing_ok=True)
 
 
 def read_records(report_dir: pathlib.Path, run_id: str | None = None) -> tuple[list[dict], list[str]]:
