@@ -47,36 +47,39 @@ def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_seg
     return visible[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _softmax_times_v(s, v, seq_major):
-    return _softmax_times_v_fwd(s, v, seq_major)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _softmax_times_v(s, v, multiplier, seq_major):
+    """softmax(s) * multiplier (inverted dropout, else 1) times v."""
+    return _softmax_times_v_fwd(s, v, multiplier, seq_major)[0]
 
 
-def _softmax_times_v_fwd(s, v, seq_major):
-    p = jax.nn.softmax(s, axis=-1)
+def _softmax_times_v_fwd(s, v, multiplier, seq_major):
+    p_raw = jax.nn.softmax(s, axis=-1)
+    p = p_raw * multiplier
     if seq_major:
         out = jnp.einsum("bqhk,bkhd->bqhd", p.astype(v.dtype).swapaxes(1, 2), v.swapaxes(1, 2),
                          preferred_element_type=jnp.float32).swapaxes(1, 2)
     else:
         out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out, (p, v, out.astype(v.dtype))
+    return out, (p_raw, v, multiplier, out.astype(v.dtype))
 
 
 def _softmax_times_v_bwd(seq_major, residuals, d_out):
-    p, v, out = residuals
+    p_raw, v, multiplier, out = residuals
     d_out = d_out.astype(jnp.float32)
-    dv = jnp.einsum("bhqk,bhqd->bhkd", p.astype(v.dtype), d_out.astype(v.dtype),
+    dv = jnp.einsum("bhqk,bhqd->bhkd", (p_raw * multiplier).astype(v.dtype), d_out.astype(v.dtype),
                     preferred_element_type=jnp.float32).astype(v.dtype)
     dp = jnp.einsum("bhqd,bhkd->bhqk", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
     delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1, keepdims=True)
-    return p * (dp - delta), dv
+    # With weights W = P*M: dS = P * (M*dP - rowsum(dO*O)), since rowsum(W*dP) = dO.O.
+    return p_raw * (multiplier * dp - delta), dv, jnp.zeros_like(multiplier)
 
 
 _softmax_times_v.defvjp(_softmax_times_v_fwd, _softmax_times_v_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "masked_rows", "seq_major"))
-def _attention(q, k, v, ab, bias, visible, *, scale, soft_cap, masked_rows, seq_major=False):
+def _attention(q, k, v, ab, bias, visible, multiplier=None, *, scale, soft_cap, masked_rows, seq_major=False):
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
     v = jnp.repeat(v, group, axis=1)
@@ -93,7 +96,7 @@ def _attention(q, k, v, ab, bias, visible, *, scale, soft_cap, masked_rows, seq_
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible, s, _MASKED_LOGIT)
-    out = _softmax_times_v(s, v, seq_major)
+    out = _softmax_times_v(s, v, jnp.float32(1.0) if multiplier is None else multiplier, seq_major)
     if masked_rows == "zero":
         out = jnp.where(jnp.any(visible, axis=-1)[..., None], out, 0.0)
     return out.astype(q.dtype)
@@ -109,7 +112,7 @@ def attention(q, k, v, *, scale, ab=None, bias=None, visible=None, soft_cap=None
 
 
 def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
-                         masked_rows="mean_of_v", seq_major=False) -> dict[str, np.ndarray]:
+                         masked_rows="mean_of_v", seq_major=False, dropout_multiplier=None) -> dict[str, np.ndarray]:
     """Baseline output and gradients ("out", "dq", "dk", "dv", and "dab"/"dbias" if given)."""
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
@@ -121,7 +124,7 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
         rest = list(xs[3:])
         ab_ = rest.pop(0) if ab is not None else None
         bias_ = rest.pop(0) if bias is not None else None
-        return _attention(q_, k_, v_, ab_, bias_, visible, scale=scale, soft_cap=soft_cap,
+        return _attention(q_, k_, v_, ab_, bias_, visible, dropout_multiplier, scale=scale, soft_cap=soft_cap,
                           masked_rows=masked_rows, seq_major=seq_major)
 
     out, vjp = jax.vjp(f, *[jnp.asarray(a) for a in args])

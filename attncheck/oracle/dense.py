@@ -7,7 +7,10 @@ to float64 and all arithmetic is float64: no kernel rounding is modelled.
 
     logits  = scale * q . (k * k_scale) + bias          (bias broadcasts to [B, Hq, Q, K])
     logits  = soft_cap * tanh(logits / soft_cap)        (only when soft_cap is given)
-    out     = softmax over visible keys of logits, times (v * v_scale)
+    out     = (softmax over visible keys of logits) * M, times (v * v_scale)
+
+M is dropout_multiplier (default 1), broadcastable to [B, Hq, Q, K]: inverted dropout
+passes keep / (1 - rate). It scales the weights given to v, not the normaliser (lse).
 (k_scale and v_scale default to 1.)
 
 Key j is visible to query i iff all of
@@ -65,6 +68,7 @@ class _Problem:
     k_scale: float
     v_scale: float
     masked_rows: str
+    dropout_multiplier: np.ndarray | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +144,7 @@ def _visibility(batch, q_len, kv_len, q_segment_ids, kv_segment_ids, q_positions
 
 def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
              kv_positions=None, causal=False, window=None, soft_cap=None, k_scale=None, v_scale=None,
-             masked_rows="zero"):
+             masked_rows="zero", dropout_multiplier=None):
     if masked_rows not in MASKED_ROW_CONVENTIONS:
         _fail("masked_rows", f"one of {MASKED_ROW_CONVENTIONS}", repr(masked_rows))
     q = _float_array("q", q)
@@ -161,6 +165,13 @@ def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=No
         full = (batch, q_heads, q_len, kv_len)
         if bias.ndim > 4 or any(n not in (1, m) for n, m in zip(bias.shape[::-1], full[::-1])):
             _fail("bias", f"an array broadcastable to [B, Hq, Q, K] = {list(full)}", f"shape {bias.shape}")
+    if dropout_multiplier is not None:
+        dropout_multiplier = _float_array("dropout_multiplier", dropout_multiplier)
+        full = (batch, q_heads, q_len, kv_len)
+        if dropout_multiplier.ndim > 4 or any(n not in (1, m) for n, m in zip(dropout_multiplier.shape[::-1],
+                                                                             full[::-1])):
+            _fail("dropout_multiplier", f"an array broadcastable to [B, Hq, Q, K] = {list(full)}",
+                  f"shape {dropout_multiplier.shape}")
     k_scale = 1.0 if k_scale is None else _real("k_scale", k_scale)
     v_scale = 1.0 if v_scale is None else _real("v_scale", v_scale)
     kv_head = np.arange(q_heads) // (q_heads // kv_heads)
@@ -178,6 +189,7 @@ def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=No
         k_scale=k_scale,
         v_scale=v_scale,
         masked_rows=masked_rows,
+        dropout_multiplier=dropout_multiplier,
     )
 
 
@@ -197,7 +209,7 @@ def _forward(p):
     exps = np.where(visible, np.exp(shifted), 0.0)
     denom = np.where(fully_masked, 1.0, exps.sum(axis=-1))
     probs = exps / denom[..., None]
-    weights = probs
+    weights = probs if p.dropout_multiplier is None else probs * p.dropout_multiplier
     if p.masked_rows == "mean_of_v":
         weights = np.where(fully_masked[..., None], 1.0 / p.k.shape[2], probs)
     out = np.einsum("bhqk,bhkd->bhqd", weights, p.v)
@@ -221,7 +233,8 @@ def _to_kv_heads(p, grad):
 
 def attention(q, k, v, **options) -> AttentionResult:
     """Forward pass. options: scale (required), bias, q_segment_ids, kv_segment_ids,
-    q_positions, kv_positions, causal, window, soft_cap, k_scale, v_scale, masked_rows;
+    q_positions, kv_positions, causal, window, soft_cap, k_scale, v_scale, masked_rows,
+    dropout_multiplier;
     see the module docstring for their meaning."""
     return _forward(_prepare(q, k, v, **options)).result
 
@@ -239,6 +252,8 @@ def attention_vjp(q, k, v, d_out, **options) -> dict:
     if d_out.shape != fwd.result.out.shape:
         _fail("d_out", f"shape [B, Hq, Q, Dv] = {fwd.result.out.shape} matching the output", f"shape {d_out.shape}")
     d_probs = np.einsum("bhqd,bhkd->bhqk", d_out, p.v)
+    if p.dropout_multiplier is not None:
+        d_probs = d_probs * p.dropout_multiplier
     # rowsum(P * dP) equals rowsum(d_out * out) on visible rows and, unlike it, stays 0
     # (not NaN or mean_of_v) on fully masked rows, whose probs are all zero anyway.
     d_logits = fwd.probs * (d_probs - np.sum(fwd.probs * d_probs, axis=-1, keepdims=True))

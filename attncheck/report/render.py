@@ -265,12 +265,14 @@ def render_mutation_markdown(mutation: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------- HTML
 
-_SVG_W, _SVG_H, _PAD = 560, 260, 44
+# The plot area spans _PLOT_W; the legend column to its right holds the series names.
+_PLOT_W, _LEGEND_W, _SVG_H, _PAD = 520, 210, 260, 44
+_SVG_W = _PLOT_W + _LEGEND_W
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
 def _scatter_svg(title: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
-                 log_y: bool = True) -> str:
+                 log_y: bool = True, join: bool = False) -> str:
     points = [p for ps in series.values() for p in ps if p[1] > 0 or not log_y]
     if not points:
         return f"<p>{html.escape(title)}: no data</p>"
@@ -280,32 +282,36 @@ def _scatter_svg(title: str, series: dict[str, list[tuple[float, float]]], xlabe
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
 
     def sx(x):
-        return _PAD + (x - x0) / (x1 - x0) * (_SVG_W - 2 * _PAD)
+        return _PAD + (x - x0) / (x1 - x0) * (_PLOT_W - 2 * _PAD)
 
     def sy(y):
         return _SVG_H - _PAD - (y - y0) / (y1 - y0) * (_SVG_H - 2 * _PAD)
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_SVG_W}" height="{_SVG_H}" role="img">',
              f'<title>{html.escape(title)}</title>',
-             f'<line x1="{_PAD}" y1="{_SVG_H - _PAD}" x2="{_SVG_W - _PAD}" y2="{_SVG_H - _PAD}" stroke="#444"/>',
+             f'<line x1="{_PAD}" y1="{_SVG_H - _PAD}" x2="{_PLOT_W - _PAD}" y2="{_SVG_H - _PAD}" stroke="#444"/>',
              f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{_SVG_H - _PAD}" stroke="#444"/>',
-             f'<text x="{_SVG_W / 2}" y="{_SVG_H - 8}" text-anchor="middle" font-size="12">{html.escape(xlabel)}</text>',
+             f'<text x="{_PLOT_W / 2}" y="{_SVG_H - 8}" text-anchor="middle" font-size="12">{html.escape(xlabel)}</text>',
              f'<text x="12" y="{_SVG_H / 2}" font-size="12" transform="rotate(-90 12 {_SVG_H / 2})" '
              f'text-anchor="middle">{html.escape(ylabel)}</text>',
              f'<text x="{_PAD}" y="{_SVG_H - _PAD + 14}" font-size="10">{x0:g}</text>',
-             f'<text x="{_SVG_W - _PAD}" y="{_SVG_H - _PAD + 14}" font-size="10" text-anchor="end">{x1:g}</text>',
+             f'<text x="{_PLOT_W - _PAD}" y="{_SVG_H - _PAD + 14}" font-size="10" text-anchor="end">{x1:g}</text>',
              f'<text x="{_PAD - 4}" y="{_SVG_H - _PAD}" font-size="10" text-anchor="end">'
              f'{("1e%.0f" % y0) if log_y else f"{y0:.3g}"}</text>',
              f'<text x="{_PAD - 4}" y="{_PAD + 4}" font-size="10" text-anchor="end">'
              f'{("1e%.0f" % y1) if log_y else f"{y1:.3g}"}</text>']
     for i, (name, ps) in enumerate(sorted(series.items())):
         color = _COLORS[i % len(_COLORS)]
+        if join:
+            path = " ".join(f"{sx(x):.1f},{sy(math.log10(y) if log_y else y):.1f}"
+                            for x, y in sorted(ps) if y > 0 or not log_y)
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-opacity="0.6"/>')
         for x, y in ps:
             if log_y and y <= 0:
                 continue
             parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(math.log10(y) if log_y else y):.1f}" r="3" '
                          f'fill="{color}" fill-opacity="0.7"><title>{html.escape(name)}: {x:g}, {y:.3g}</title></circle>')
-        parts.append(f'<text x="{_SVG_W - _PAD + 4}" y="{_PAD + 14 * i}" font-size="10" fill="{color}">'
+        parts.append(f'<text x="{_PLOT_W + 4}" y="{_PAD + 14 * i}" font-size="11" fill="{color}">'
                      f'{html.escape(name)}</text>')
     parts.append("</svg>")
     return "".join(parts)
@@ -340,12 +346,23 @@ def _histogram_svg(values: list[float], bins: int = 20) -> str:
 
 def render_html(report: dict) -> str:
     numeric = [r for r in report["records"] if r.get("metrics")]
-    by_len: dict[str, list] = defaultdict(list)
+    # Error vs length: one plot per dtype (errors of f32 and bf16 differ by orders of
+    # magnitude), one series per kernel.
+    by_len: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for r in numeric:
-        by_len[f"{r['kernel']} {r.get('dtype', '')}"].append((r.get("seq_len", 0), r["metrics"]["max_abs"]))
-    by_dev: dict[str, list] = defaultdict(list)
+        by_len[r.get("dtype", "")][r["kernel"]].append((r.get("seq_len", 0), r["metrics"]["max_abs"]))
+    # Error vs ring size: worst over the directions, one series per kernel and dtype.
+    worst_dev: dict[tuple, float] = defaultdict(float)
     for g in report["device_growth"]:
-        by_dev[f"{g['kernel']} {g['direction']} {g['dtype']}"].append((g["devices"], g["worst_max_abs"]))
+        key = (f"{g['kernel']} {g['dtype']}", g["devices"])
+        worst_dev[key] = max(worst_dev[key], g["worst_max_abs"])
+    by_dev: dict[str, list] = defaultdict(list)
+    for (name, devices), value in worst_dev.items():
+        by_dev[name].append((devices, value))
+    length_plots = "".join(
+        f'<figure>{_scatter_svg(f"max abs error vs sequence length ({dtype})", series, "sequence length", "max abs error (log10)")}'
+        f"<figcaption>Error against sequence length, {html.escape(dtype)} (one point per comparison)</figcaption></figure>"
+        for dtype, series in sorted(by_len.items()))
     esc = html.escape
     totals = report["totals"]
     ok = not totals["failures"] and not report["problems"]
@@ -379,9 +396,9 @@ tr.bad td {{ background: #fde0e0; }} .status {{ font-size: 1.6em; font-weight: b
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
 {'<h2>Failures</h2><table><tr><th>kernel</th><th>backend</th><th>direction</th><th>case</th><th>reason</th><th>reproduce</th></tr>' + failures + '</table>' if failures else ''}
 <h2>Plots</h2><div class="plots">
-<figure>{_scatter_svg("max abs error vs sequence length", by_len, "sequence length", "max abs error (log10)")}<figcaption>Error against sequence length per kernel and dtype</figcaption></figure>
+{length_plots}
 <figure>{_histogram_svg([_budget(r) for r in numeric])}<figcaption>Budget histogram (1 = at the tolerance)</figcaption></figure>
-<figure>{_scatter_svg("worst error vs device count", by_dev, "devices", "worst max abs error (log10)")}<figcaption>Ring kernels: error against device count</figcaption></figure>
+<figure>{_scatter_svg("worst error vs device count", by_dev, "devices", "worst max abs error (log10)", join=True)}<figcaption>Ring kernels: worst error (over directions) against device count</figcaption></figure>
 </div>
 <h2>Summary</h2><table><tr><th>kernel</th><th>impl</th><th>backend</th><th>dtype</th><th>direction</th><th>cases</th><th>failures</th><th>worst budget</th><th>worst case</th></tr>{rows}</table>
 {'<h2>Backends not run</h2><ul>' + skipped + '</ul>' if skipped else ''}

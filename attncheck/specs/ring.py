@@ -32,6 +32,7 @@ BIAS_KINDS = ("none", "full", "key_padding")
 SEGMENT_KINDS = ("none", "packed", "absent")
 # Bias of the padded keys in "key_padding": soft, so no row becomes fully masked by it.
 KEY_PADDING_BIAS = -30.0
+DROPOUT_RATE = 0.25
 
 
 @st.composite
@@ -51,6 +52,7 @@ def ring_cases(draw, family: str, per_device_lens: tuple[int, ...], head_dim: in
     if chunked:
         params["query_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
         params["key_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
+        params["dropout_rate"] = draw(st.sampled_from((0.0, DROPOUT_RATE)))
     return make_case(family, draw(S.seeds), **params)
 
 
@@ -96,13 +98,14 @@ class RingSpec(KernelSpec):
         if fn is None:
             call = self.call(impl, case)
 
-            def forward_and_grads(primals, segments, d_out):
-                out, vjp = jax.vjp(lambda *p: call(*p, segments=segments), *primals)
+            def forward_and_grads(primals, segments, d_out, seed):
+                out, vjp = jax.vjp(lambda *p: call(*p, segments=segments, seed=seed), *primals)
                 return (out, *vjp(d_out))
 
             fn = _JITTED[key] = jax.jit(forward_and_grads)
         segments = (inputs["q_segment_ids"], inputs["kv_segment_ids"]) if "q_segment_ids" in inputs else None
-        results = fn(tuple(inputs[n] for n in names), segments, inputs["d_out"])
+        # The seed is traced: one compiled function serves every case of a configuration.
+        results = fn(tuple(inputs[n] for n in names), segments, inputs["d_out"], np.uint32(case.seed))
         grads = dict(zip(("out", "dq", "dk", "dv", "dbias"), results))
         # Back to head-major [B, H, S, D] for comparison with the oracle.
         return {k: np.asarray(v).transpose(0, 2, 1, 3) if k != "dbias" else np.asarray(v) for k, v in grads.items()}
@@ -115,9 +118,12 @@ class RingSpec(KernelSpec):
 
     # ------------------------------------------------------------------ judging
     def _semantics(self, case, inputs):
-        return dict(scale=case["head_dim"] ** -0.5, causal=case["causal"], bias=inputs.get("bias"),
-                    q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"),
-                    masked_rows="zero")
+        sem = dict(scale=case["head_dim"] ** -0.5, causal=case["causal"], bias=inputs.get("bias"),
+                   q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"),
+                   masked_rows="zero")
+        if "dropout_keep" in inputs:
+            sem["dropout_multiplier"] = inputs["dropout_keep"] / (1.0 - case["dropout_rate"])
+        return sem
 
     @staticmethod
     def _head_major(inputs):
@@ -139,7 +145,8 @@ class RingSpec(KernelSpec):
         visible = baseline.visibility(np.arange(case["seq_len"]), np.arange(case["seq_len"]), causal=case["causal"],
                                       q_segment_ids=sem["q_segment_ids"], kv_segment_ids=sem["kv_segment_ids"])
         result = baseline.attention_with_grads(q, k, v, d_out, scale=sem["scale"], bias=sem["bias"],
-                                               visible=visible, masked_rows="zero", seq_major=True)
+                                               visible=visible, masked_rows="zero", seq_major=True,
+                                               dropout_multiplier=sem.get("dropout_multiplier"))
         return result
 
     def output_dtypes(self, case):
@@ -165,6 +172,8 @@ class RingSpec(KernelSpec):
             tags.add("large_logits")
         if case["values"] == "ties":
             tags.add("exact_ties")
+        if case.get("dropout_rate"):
+            tags.add("dropout")
         return sorted(tags)
 
     def seq_len(self, case):
@@ -199,18 +208,34 @@ _JITTED: dict = {}
 
 
 class BlockwiseRingSpec(RingSpec):
+    """Dropout: the keep mask is the convention's ``attention_dropout_mask`` (a function of
+    the rng and global indices only); the oracle applies it as inverted dropout, and
+    tests/gate/test_dropout_mask.py judges the mask itself statistically."""
+
     name = "ring_attention"
     default_impls = {"builtin": "kernels.ring_attention:ring_attention_sharded"}
     backends = ("xla",)
     chunked = True
     examples = {"xla": 24}
+    coverage_classes = RingSpec.coverage_classes + ("dropout",)
+
+    def inputs(self, case):
+        out = super().inputs(case)
+        if case["dropout_rate"]:
+            keep = _dropout_mask_fn()(jax.random.key(np.uint32(case.seed)), case["dropout_rate"], 1, case["heads"],
+                                      case["seq_len"], case["seq_len"])
+            out["dropout_keep"] = np.asarray(keep, dtype=np.float64)
+        return out
 
     def call(self, impl, case):
-        def f(q, k, v, bias=None, *, segments):
+        rate = case["dropout_rate"]
+
+        def f(q, k, v, bias=None, *, segments, seed=None):
             seg = _segment_pair(segments)
+            dropout = dict(dropout_rng=jax.random.key(seed), attn_pdrop=rate, deterministic=False) if rate else {}
             return impl(q, k, v, bias, seg, num_devices=case["devices"], causal=case["causal"],
                         float32_logits=case["float32_logits"], query_chunk_size=case["query_chunk_size"],
-                        key_chunk_size=case["key_chunk_size"])
+                        key_chunk_size=case["key_chunk_size"], **dropout)
         return f
 
 
@@ -222,7 +247,7 @@ class StandardRingSpec(RingSpec):
 
     def call(self, impl, case):
         # The mask carries causal and segments; the bias is not part of this convention.
-        def f(q, k, v, bias=None, *, segments):
+        def f(q, k, v, bias=None, *, segments, seed=None):
             s = q.shape[1]
             mask = jnp.ones((s, s), bool)
             if case["causal"]:
@@ -253,7 +278,7 @@ class RingFlashSpec(RingSpec):
     examples = {"interpret": 6, "interpret-hazards": 2, "tpu-lower": 2, "tpu": 6}
 
     def call(self, impl, case):
-        def f(q, k, v, bias=None, *, segments):
+        def f(q, k, v, bias=None, *, segments, seed=None):
             seg = _segment_pair(segments)
             return impl(q, k, v, bias, seg, num_devices=case["devices"], causal=case["causal"],
                         float32_logits=case["float32_logits"])
@@ -272,6 +297,12 @@ class RingFlashSpec(RingSpec):
         return {"lower-fwd": lambda: backends.export_for_tpu(lambda *p: call(*p, segments=segments), *args,
                                                              device_kind=None),
                 "lower-grad": lambda: backends.export_for_tpu(grads, *args, device_kind=None)}
+
+
+def _dropout_mask_fn():
+    from kernels.ring_attention import attention_dropout_mask
+
+    return attention_dropout_mask
 
 
 class SegmentPair(NamedTuple):
