@@ -46,13 +46,3 @@ def pytest_generate_tests(metafunc):
             pytest.param(call, id=f"{spec.name}-{call.description}")
             for spec in selected_specs(metafunc.config) for call in spec.invalid_calls()])
 
-
-def pytest_collection_modifyitems(config, items):
-    from hypothesis import settings
-
-    if settings.get_current_profile_name() == "nightly":
-        return
-    skip = pytest.mark.skip(reason="nightly only (--hypothesis-profile=nightly)")
-    for item in items:
-        if item.get_closest_marker("nightly"):
-            item.add_marker(skip)
