@@ -117,18 +117,26 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     names = ["dq", "dk", "dv"] + (["dab"] if ab is not None else []) + (["dbias"] if bias is not None else [])
-    args = [q, k, v] + ([ab] if ab is not None else []) + ([bias] if bias is not None else [])
-
-    def f(*xs):
-        q_, k_, v_ = xs[:3]
-        rest = list(xs[3:])
-        ab_ = rest.pop(0) if ab is not None else None
-        bias_ = rest.pop(0) if bias is not None else None
-        return _attention(q_, k_, v_, ab_, bias_, visible, dropout_multiplier, scale=scale, soft_cap=soft_cap,
-                          masked_rows=masked_rows, seq_major=seq_major)
-
-    out, vjp = jax.vjp(f, *[jnp.asarray(a) for a in args])
-    grads = vjp(jnp.asarray(d_out, dtype=out.dtype))
+    out, grads = _forward_and_grads(q, k, v, ab, bias, visible, dropout_multiplier, d_out, scale=scale,
+                                    soft_cap=soft_cap, masked_rows=masked_rows, seq_major=seq_major)
     result = {"out": np.asarray(out)}
     result.update({n: np.asarray(g) for n, g in zip(names, grads)})
     return result
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "masked_rows", "seq_major"))
+def _forward_and_grads(q, k, v, ab, bias, visible, multiplier, d_out, *, scale, soft_cap, masked_rows, seq_major):
+    """One compiled forward + VJP per shape and configuration (tracing the VJP per case
+    was most of the harness's own time)."""
+    def f(q, k, v, ab, bias):
+        return _attention(q, k, v, ab, bias, visible, multiplier, scale=scale, soft_cap=soft_cap,
+                          masked_rows=masked_rows, seq_major=seq_major)
+
+    differentiable = [x for x in (ab, bias) if x is not None]
+
+    def g(q, k, v, *extra):
+        rest = list(extra)
+        return f(q, k, v, rest.pop(0) if ab is not None else None, rest.pop(0) if bias is not None else None)
+
+    out, vjp = jax.vjp(g, q, k, v, *differentiable)
+    return out, vjp(d_out.astype(out.dtype))
