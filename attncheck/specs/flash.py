@@ -59,6 +59,23 @@ def block_sizes(draw, q_len: int, kv_len: int) -> tuple[tuple[str, int], ...]:
             ("block_k_dq", NUM_LANES), ("block_q_dq", draw(st.sampled_from(q_blocks))))
 
 
+# The kernels' two-level tilings (axis -> length, major block, minor block). A
+# causal position is major offset + minor offset; each such sum is exercised under causal
+# masking only when there are several major blocks *and* several minor blocks in each.
+NESTED_TILINGS = ("fwd_kv", "dkv_q", "dkv_kv", "dq_kv")
+
+
+def nested_tilings(case: Case) -> list[str]:
+    blocks = dict(case["blocks"])
+    q_len, kv_len = case["q_len"], case["kv_len"]
+    levels = {"fwd_kv": (kv_len, blocks["block_k_major"], blocks["block_k"]),
+              "dkv_q": (q_len, blocks["block_q_major_dkv"], blocks["block_q_dkv"]),
+              "dkv_kv": (kv_len, blocks["block_k_major_dkv"], blocks["block_k_dkv"]),
+              "dq_kv": (kv_len, blocks["block_k_major_dq"], blocks["block_k_dq"])}
+    return [axis for axis in NESTED_TILINGS
+            if levels[axis][0] > levels[axis][1] > levels[axis][2]]
+
+
 @st.composite
 def flash_cases(draw) -> Case:
     q_len = draw(st.sampled_from(SEQ_LENS))
@@ -83,7 +100,7 @@ class FlashSpec(KernelSpec):
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     coverage_classes = ("q_len_ne_kv_len", "causal", "fully_masked_row", "block_boundary_straddle",
                         "multi_block_kv", "single_step_kv", "k_major_gt_k", "bias", "large_logits",
-                        "exact_ties", "bf16")
+                        "exact_ties", "bf16", *(f"causal_nested_{a}" for a in NESTED_TILINGS))
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
 
     def cases(self):
@@ -184,6 +201,8 @@ class FlashSpec(KernelSpec):
             tags.add("exact_ties")
         if case["dtype"] == "bfloat16":
             tags.add("bf16")
+        if case["causal"]:
+            tags.update(f"causal_nested_{a}" for a in nested_tilings(case))
         return sorted(tags)
 
     def seq_len(self, case):

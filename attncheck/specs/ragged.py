@@ -98,7 +98,7 @@ class RaggedSpec(KernelSpec):
                         "kv_len_not_page_multiple", "pages_per_seq_not_block_multiple", "nan_padding",
                         "shuffled_pages", "gqa", "window_lt_block", "window_gt_kv_len", "soft_cap",
                         "kv_scales", "bf16", "packed_kv", "q_len_ne_kv_len")
-    examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
+    examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
 
     def cases(self):
         return ragged_cases()

@@ -216,7 +216,7 @@ class BlockwiseRingSpec(RingSpec):
     default_impls = {"builtin": "kernels.ring_attention:ring_attention_sharded"}
     backends = ("xla",)
     chunked = True
-    examples = {"xla": 24}
+    examples = {"xla": 60}
     coverage_classes = RingSpec.coverage_classes + ("dropout",)
 
     def inputs(self, case):
@@ -243,7 +243,7 @@ class StandardRingSpec(RingSpec):
     name = "ring_attention_standard"
     default_impls = {"builtin": "kernels.ring_attention:ring_attention_standard_sharded"}
     backends = ("xla",)
-    examples = {"xla": 16}
+    examples = {"xla": 48}
 
     def call(self, impl, case):
         # The mask carries causal and segments; the bias is not part of this convention.

@@ -46,3 +46,17 @@ def pytest_generate_tests(metafunc):
             pytest.param(call, id=f"{spec.name}-{call.description}")
             for spec in selected_specs(metafunc.config) for call in spec.invalid_calls()])
 
+
+def pytest_collection_modifyitems(config, items):
+    """--attncheck-kernel also selects the gate's other tests, by their family marker:
+    a mutant of one family must be judged by that family's tests alone."""
+    if not config.getoption("--attncheck-kernel"):
+        return
+    wanted = {spec.name for spec in selected_specs(config)}
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("attncheck_family")
+        (drop if marker is not None and marker.args[0] not in wanted else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gate
+pytestmark = [pytest.mark.gate, pytest.mark.attncheck_family("ring_attention")]
 RATE = 0.25
 SHAPE = (2, 2, 256, 256)  # batch, heads, q, kv
 

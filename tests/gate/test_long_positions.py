@@ -14,7 +14,7 @@ import pytest
 from attncheck import baseline, numerics, oracle
 from attncheck import strategies as S
 
-pytestmark = pytest.mark.gate
+pytestmark = [pytest.mark.gate, pytest.mark.attncheck_family("ring_attention")]
 SEQ = 34 * 1024  # > 32767, and 2 devices x 17 chunks of 1024
 CHECKED_ROWS = 64
 HEAD_DIM = 8

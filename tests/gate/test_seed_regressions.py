@@ -43,7 +43,8 @@ SEED_DEFECTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SEED_DEFECTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.attncheck_family(SEED_DEFECTS[n][1].family))
+                                  for n in sorted(SEED_DEFECTS)])
 def test_seed_defect_stays_fixed(name, attncheck_record):
     backend_name, case = SEED_DEFECTS[name]
     spec = all_specs()[case.family]

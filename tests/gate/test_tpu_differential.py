@@ -22,7 +22,8 @@ DIFFERENTIAL_EXAMPLES = 4
 
 
 @pytest.mark.skipif(TPU_REASON is not None, reason=f"interpret-vs-TPU differential needs a TPU: {TPU_REASON}")
-@pytest.mark.parametrize("spec", [s for s in all_specs().values() if "tpu" in s.backends], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [pytest.param(s, id=s.name, marks=pytest.mark.attncheck_family(s.name))
+                                  for s in all_specs().values() if "tpu" in s.backends])
 def test_interpret_matches_tpu(spec, attncheck_record):
     impl = resolve_impl(spec.default_impls["builtin"])
 

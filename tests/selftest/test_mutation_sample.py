@@ -1,0 +1,111 @@
+"""The gate catches planted kernel bugs: the PR-gate sample of the mutant catalogue, and
+cheap checks of the catalogue and of the mutation runner itself.
+
+The sample (mutants marked ``sample=True``, one per kernel family where possible, each
+killed in seconds) runs the real gate on a mutated copy of the project; the whole
+catalogue runs with ``attncheck mutate`` (nightly / on demand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from attncheck import mutation, specs
+from attncheck.mutants import CATALOGUE
+from attncheck.mutation import CatalogueError, Mutant
+
+SAMPLE = [m for m in CATALOGUE if m.sample]
+SNAKE_CASE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*$")
+
+
+# ------------------------------------------------------------------ the sample
+
+
+@pytest.mark.parametrize("mutant", SAMPLE, ids=[m.id for m in SAMPLE])
+def test_sample_mutant_is_killed(mutant):
+    result = mutation.run_mutant(mutant, timeout_s=300)
+    assert result["status"] == "killed", (
+        f"{mutant.id} ({mutant.description}): {result['status']} after {result['seconds']} s; "
+        f"the gate no longer catches this bug. Last lines: {result['detail']}")
+
+
+def test_sample_is_small_and_spans_kernels():
+    assert 3 <= len(SAMPLE) <= 4, [m.id for m in SAMPLE]
+    assert len({m.family for m in SAMPLE}) >= 3, "sample mutants should come from different kernels"
+    assert not any(m.equivalent for m in SAMPLE), "an equivalent mutant cannot be killed"
+
+
+# ------------------------------------------------------------------ the catalogue
+
+
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.id for m in CATALOGUE])
+def test_catalogue_snippet_applies_exactly_once(mutant):
+    mutated = mutation.mutated_source(mutant)  # raises CatalogueError unless exactly once
+    original = (mutation.PROJECT_ROOT / mutant.file).read_text()
+    assert mutated != original, f"{mutant.id}: the replacement changes nothing"
+    compile(mutated, mutant.file, "exec")  # a mutant must be a bug, not a syntax error
+
+
+def test_catalogue_ids_are_unique():
+    ids = [m.id for m in CATALOGUE]
+    assert len(ids) == len(set(ids)), sorted(i for i in set(ids) if ids.count(i) > 1)
+
+
+def test_catalogue_families_exist():
+    known = specs.all_specs()
+    unknown = {m.family for m in CATALOGUE} - set(known)
+    assert not unknown, f"catalogue names families without a spec: {sorted(unknown)}; known {sorted(known)}"
+
+
+def test_catalogue_size_and_spread():
+    assert len(CATALOGUE) >= 40
+    # Every family of the project's own kernels has mutants (a user family loaded with
+    # --attncheck-spec is not part of the catalogue).
+    builtin = {name for name, spec in specs.all_specs().items()
+               if all(ref.startswith("kernels.") for ref in spec.default_impls.values())}
+    missing = builtin - {m.family for m in CATALOGUE}
+    assert not missing, f"kernel families without mutants: {sorted(missing)}"
+    for m in CATALOGUE:
+        assert m.file.startswith("kernels/"), m.id
+        assert SNAKE_CASE.match(m.bug_class), f"{m.id}: bug_class {m.bug_class!r} is not snake_case"
+        assert m.description and "\n" not in m.description, m.id
+        assert m.equivalent is None or m.equivalent.strip(), m.id
+
+
+# ------------------------------------------------------------------ the runner
+
+
+def test_absent_snippet_raises():
+    bad = Mutant("absent", "blockwise_ffn", "kernels/blockwise_ffn.py", find="this text is not in the file\n",
+                 replace="", description="absent snippet", bug_class="none")
+    with pytest.raises(CatalogueError, match="0 times"):
+        mutation.mutated_source(bad)
+
+
+def test_ambiguous_snippet_raises(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "k.py").write_text("x = 1\nx = 1\n")
+    twice = Mutant("twice", "blockwise_ffn", "kernels/k.py", find="x = 1\n", replace="x = 2\n",
+                   description="ambiguous snippet", bug_class="none")
+    with pytest.raises(CatalogueError, match="2 times"):
+        mutation.mutated_source(twice, tmp_path)
+    once = dataclasses.replace(twice, find="x = 1\nx = 1\n", replace="x = 1\nx = 2\n")
+    mutation.apply(once, tmp_path)
+    assert (tmp_path / "kernels" / "k.py").read_text() == "x = 1\nx = 2\n"
+
+
+def test_select_rejects_unknown_ids():
+    with pytest.raises(CatalogueError, match="unknown"):
+        mutation.select(CATALOGUE, ids=["no-such-mutant"])
+    assert mutation.select(CATALOGUE, sample=True) == SAMPLE
+
+
+def test_summarize_excludes_equivalent_and_invalid():
+    rows = [{"family": "f", "status": s} for s in ("killed", "killed", "survived", "equivalent", "invalid")]
+    summary = mutation.summarize(rows)
+    assert summary["kill_rate"] == pytest.approx(2 / 3)
+    assert summary["per_kernel"]["f"]["kill_rate"] == pytest.approx(2 / 3)
+
