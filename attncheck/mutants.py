@@ -415,6 +415,12 @@ RING_MUTANTS = [
            replace="    cols = _key_columns(bias, kv_offset, kv_len).astype(_ACC_DTYPE) * cfg.sm_scale\n",
            description="bias converted to the kernel's (qk + ab) * scale convention with * instead of /",
            bug_class="scale_bias_order_swapped"),
+    # Shows only on a row that sees no key at all (its running max stays -inf).
+    Mutant("ring-masked-row-nan", "ring_attention", RING,
+           find="    m_shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)\n",
+           replace="    m_shift = m_new\n",
+           description="running max of a row with no visible key not guarded: exp(-inf - -inf) = NaN",
+           bug_class="fully_masked_row_nan"),
 ]
 
 CATALOGUE: list[Mutant] = [

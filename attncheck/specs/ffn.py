@@ -52,7 +52,7 @@ class BlockwiseFFNSpec(KernelSpec):
     default_impls = {"builtin": "kernels.blockwise_ffn:blockwise_ffn"}
     backends = ("xla",)
     coverage_classes = ("single_chunk", "multi_chunk", "bf16", "large_values", "no_bias")
-    examples = {"xla": 48}
+    examples = {"xla": 64}
 
     def cases(self):
         return ffn_cases()

@@ -243,7 +243,7 @@ class StandardRingSpec(RingSpec):
     name = "ring_attention_standard"
     default_impls = {"builtin": "kernels.ring_attention:ring_attention_standard_sharded"}
     backends = ("xla",)
-    examples = {"xla": 48}
+    examples = {"xla": 64}
 
     def call(self, impl, case):
         # The mask carries causal and segments; the bias is not part of this convention.
