@@ -14,9 +14,11 @@ logits rounded to f32 (2.8e-6). A yardstick in another layout than the kernel's 
 the layout, not the kernel.
 
 Its backward is the textbook attention backward every kernel here implements (Dao et
-al.): dS = P * (dP - rowsum(dO * O)), with O the delivered output. Autodiff of softmax
-would compute rowsum(dP * P) instead, which is 2.4x more accurate on f32 cases with large
-logits (measured: dq error 5.7e-7 vs 1.35e-6): a yardstick for a different algorithm.
+al.): P recomputed as exp(S - LSE), dS = P * (dP - rowsum(dO * O)) with O the delivered
+output. Autodiff of softmax reuses the forward's P and computes rowsum(dP * P), which on
+f32 cases with logits up to 50 is several times more accurate (measured: dq 5.7e-7 vs
+1.35e-6 from rowsum(dO * O); dv 1.2e-6 vs 5.7e-6 from the recomputed P): a yardstick for
+a different algorithm.
 """
 
 from __future__ import annotations
@@ -61,11 +63,13 @@ def _softmax_times_v_fwd(s, v, multiplier, seq_major):
                          preferred_element_type=jnp.float32).swapaxes(1, 2)
     else:
         out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out, (p_raw, v, multiplier, out.astype(v.dtype))
+    return out, (s, jax.nn.logsumexp(s, axis=-1, keepdims=True), v, multiplier, out.astype(v.dtype))
 
 
 def _softmax_times_v_bwd(seq_major, residuals, d_out):
-    p_raw, v, multiplier, out = residuals
+    s, lse, v, multiplier, out = residuals
+    # P is recomputed from the logits and the log-sum-exp, as flash backward kernels do.
+    p_raw = jnp.exp(s - lse)
     d_out = d_out.astype(jnp.float32)
     dv = jnp.einsum("bhqk,bhqd->bhkd", (p_raw * multiplier).astype(v.dtype), d_out.astype(v.dtype),
                     preferred_element_type=jnp.float32).astype(v.dtype)

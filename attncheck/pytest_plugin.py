@@ -171,7 +171,7 @@ def pytest_sessionfinish(session, exitstatus):
         baseline_path=config.getoption("--attncheck-baseline"),
         require_coverage=config.getoption("--attncheck-require-coverage"),
         wall_s=time.time() - config._attncheck_started, failed_tests=_failed_tests(config))
-    rec.clear_stale_records(report_dir(config), config._attncheck_run_id, config._attncheck_started)
+    rec.clear_stale_records(report_dir(config), config._attncheck_run_id)
     config._attncheck_gate_problems = result.problems
     if result.problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -387,7 +387,8 @@ def _validate_block_sizes(block_sizes, batch, q_len, kv_len, *, fwd: bool,
 def _static_scale(sm_scale) -> float:
     try:
         return float(sm_scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+        # ValueError: float("abc"), whose own message would not name the argument.
         raise TypeError(
             f"sm_scale must be a static Python number, got {sm_scale!r}") from e
 

@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import resource
+import time
 
 SCHEMA_VERSION = 1
 RECORDS_DIR = "records"
@@ -37,16 +38,24 @@ class RecordWriter:
             fh.flush()
 
 
-def clear_stale_records(report_dir: pathlib.Path, run_id: str, started: float) -> None:
-    """Remove record files of *other* runs last written before this run started.
+# Another run's record file untouched this long belongs to a finished or dead run. A live
+# run writes at least once per test, and a test times out after 900 s (pyproject.toml).
+STALE_AFTER_S = 3600
 
-    Never at the start of a run and never a file still being written: a second run that
-    shares the directory (by mistake or on purpose) must not lose records to this one.
+
+def clear_stale_records(report_dir: pathlib.Path, run_id: str) -> None:
+    """Remove other runs' record files that nothing has written for STALE_AFTER_S.
+
+    Never at the start of a run and never a recent file: a second run sharing the
+    directory writes in bursts, minutes apart, and must not lose records to this one
+    (measured: a short run ending mid-gate deleted the gate's files when the rule was
+    'older than this run's start').
     """
     records = pathlib.Path(report_dir) / RECORDS_DIR
     if records.is_dir():
+        horizon = time.time() - STALE_AFTER_S
         for f in records.glob("*.jsonl"):
-            if not f.name.startswith(run_id + "-") and f.stat().st_mtime < started:
+            if not f.name.startswith(run_id + "-") and f.stat().st_mtime < horizon:
                 f.unlink(missing_ok=True)
 
 

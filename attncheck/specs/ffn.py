@@ -162,6 +162,9 @@ def invalid_ffn_calls(ref: str) -> list[InvalidCall]:
                     r"chunk_size"),
         InvalidCall("chunk_zero", lambda: impl(position_wise, params, x, chunk_size=0), ValueError, r"chunk_size"),
         InvalidCall("rank", lambda: impl(position_wise, params, x[0, 0], chunk_size=8), ValueError, r"inputs"),
+        InvalidCall("ffn_not_position_wise",
+                    lambda: impl(lambda p, h: position_wise(p, h)[..., :1, :], params, x, chunk_size=8),
+                    ValueError, r"ffn"),
     ]
 
 

@@ -189,14 +189,51 @@ class RingSpec(KernelSpec):
         impl = resolve_impl(self.default_impls["builtin"])
         x = jnp.zeros((1, 64, 2, 32), jnp.float32)
         call = functools.partial(impl, x, x, x, num_devices=2)
-        return [
+        from jax.sharding import Mesh
+
+        calls = [
             InvalidCall("bias_key_axis_not_global", lambda: call(jnp.zeros((1, 1, 64, 32), jnp.float32)),
                         ValueError, r"attn_bias|attn_mask"),
             InvalidCall("devices_not_dividing", lambda: impl(x[:, :60], x[:, :60], x[:, :60], num_devices=8),
                         ValueError, r"(?i)(devices|seq|divid|shard)"),
             InvalidCall("kv_head_dim", lambda: impl(x, x[..., :16], x[..., :16], num_devices=2), ValueError,
                         r"(?i)\bk\b|head_dim|shape"),
+            InvalidCall("qkv_not_float", lambda: impl(*(x.astype(jnp.int32),) * 3, num_devices=2), ValueError,
+                        r"\bq\b"),
+            InvalidCall("k_v_shape_mismatch", lambda: impl(x, x, x[..., :16], num_devices=2), ValueError,
+                        r"\bk\b.*\bv\b"),
+            InvalidCall("bias_rank", lambda: call(jnp.zeros((1, 1, 64, 64, 1), jnp.float32)), ValueError,
+                        r"attn_bias"),
+            InvalidCall("bias_not_float", lambda: call(jnp.zeros((1, 1, 64, 64), jnp.int32)), ValueError,
+                        r"attn_bias"),
+            InvalidCall("segment_ids_shape", lambda: call(None, jnp.zeros((1, 32), jnp.int32)), ValueError,
+                        r"segment_ids"),
+            InvalidCall("segment_ids_not_int", lambda: call(None, jnp.zeros((1, 64), jnp.float32)), ValueError,
+                        r"segment_ids"),
+            InvalidCall("mesh_axis_name", lambda: impl(x, x, x, mesh=Mesh(np.array(jax.devices()[:2]), ("x",))),
+                        ValueError, r"mesh"),
+            InvalidCall("mesh_size_mismatch", lambda: impl(x, x, x, num_devices=4, axis_name="x", mesh=Mesh(
+                np.array(jax.devices()[:2]), ("x",))), ValueError, r"num_devices"),
+            InvalidCall("num_devices_out_of_range", lambda: impl(x, x, x, num_devices=0), ValueError,
+                        r"num_devices"),
         ]
+        if isinstance(self, RingFlashSpec):
+            calls.append(InvalidCall("sm_scale_zero_with_bias",
+                                     lambda: call(jnp.zeros((1, 1, 64, 64), jnp.float32), sm_scale=0.0),
+                                     ValueError, r"sm_scale"))
+        else:  # chunking and dropout are options of the blockwise ring only
+            calls += [
+                InvalidCall("query_chunk_not_positive", lambda: call(query_chunk_size=0), ValueError,
+                            r"query_chunk_size"),
+                InvalidCall("key_chunk_not_dividing", lambda: call(key_chunk_size=24), ValueError,
+                            r"key_chunk_size"),
+                InvalidCall("attn_pdrop_out_of_range", lambda: call(attn_pdrop=1.5, deterministic=False,
+                                                                    dropout_rng=jax.random.PRNGKey(0)),
+                            ValueError, r"attn_pdrop"),
+                InvalidCall("dropout_without_rng", lambda: call(attn_pdrop=0.1, deterministic=False), ValueError,
+                            r"dropout_rng"),
+            ]
+        return calls
 
 
 def _static(case):
@@ -264,7 +301,11 @@ class StandardRingSpec(RingSpec):
         return super().cases().map(lambda c: Case(c.family, {**c.params, "bias": "none"}, c.seed))
 
     def invalid_calls(self):
-        return []  # shares the validation code of ring_attention, tested there
+        # The rest of its validation is shared with ring_attention and tested there.
+        impl = resolve_impl(self.default_impls["builtin"])
+        x = jnp.zeros((1, 64, 2, 32), jnp.float32)
+        return [InvalidCall("attn_mask_not_boolean", lambda: impl(x, x, x, jnp.ones((1, 1, 32, 64), jnp.float32),
+                                                                   num_devices=2), ValueError, r"attn_mask")]
 
 
 class RingFlashSpec(RingSpec):
