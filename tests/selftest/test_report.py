@@ -340,3 +340,21 @@ def test_a_test_failing_without_a_record_is_a_gate_problem(tmp_path, only_toy_sp
     assert result.problems == ["t.py::hung failed without a failing record: Failed: Timeout (>5.0s) from "
                                "pytest-timeout."]
     assert "Timeout (>5.0s)" in (tmp_path / "report.md").read_text()
+
+
+def test_cleanup_never_removes_a_live_runs_records(tmp_path):
+    """Only other runs' files untouched for STALE_AFTER_S go; a run writing in bursts keeps
+    its records (a short run ending mid-gate once deleted a live gate's files)."""
+    import os
+    import time
+
+    records = tmp_path / rec.RECORDS_DIR
+    records.mkdir()
+    own, live, dead = (records / f"{name}-gw0.jsonl" for name in ("mine", "live", "dead"))
+    for f in (own, live, dead):
+        f.write_text("{}\n")
+    long_ago = time.time() - rec.STALE_AFTER_S - 60
+    os.utime(dead, (long_ago, long_ago))
+    os.utime(live, (time.time() - 600,) * 2)  # a burst ten minutes ago
+    rec.clear_stale_records(tmp_path, "mine")
+    assert sorted(p.name for p in records.iterdir()) == ["live-gw0.jsonl", "mine-gw0.jsonl"]
