@@ -61,6 +61,9 @@ def pytest_addoption(parser):
                     help="verify only the families given with --attncheck-spec")
     group.addoption("--attncheck-baseline", default=None, metavar="PATH",
                     help="fail on a numerics regression against this baseline.json")
+    group.addoption("--attncheck-regression-floor", type=float, default=None, metavar="BUDGET",
+                    help="budgets below this never count as a regression (default: 1/3, the measured "
+                         "run-to-run spread of worst cases)")
     group.addoption("--attncheck-require-coverage", action="store_true",
                     help="fail the run if a bug class that applies to a kernel was never exercised")
 
@@ -170,7 +173,9 @@ def pytest_sessionfinish(session, exitstatus):
         complete=not interrupted, selected_backends=config.getoption("--attncheck-backend"),
         baseline_path=config.getoption("--attncheck-baseline"),
         require_coverage=config.getoption("--attncheck-require-coverage"),
-        wall_s=time.time() - config._attncheck_started, failed_tests=_failed_tests(config))
+        wall_s=time.time() - config._attncheck_started, failed_tests=_failed_tests(config),
+        **({} if config.getoption("--attncheck-regression-floor") is None
+           else {"regression_floor": config.getoption("--attncheck-regression-floor")}))
     rec.clear_stale_records(report_dir(config), config._attncheck_run_id)
     config._attncheck_gate_problems = result.problems
     if result.problems and session.exitstatus == pytest.ExitCode.OK:

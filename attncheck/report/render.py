@@ -15,6 +15,10 @@ from attncheck.report import records as rec
 # A budget may grow this much past the accepted baseline before the gate calls it a
 # numerics regression: budgets of passing cases wobble with the drawn inputs.
 REGRESSION_FACTOR = 1.5
+# Budgets below this are within the run-to-run spread of worst cases (measured: the same
+# code gave flash bf16 dk 0.139 under ./dev gate and 0.242 under ./dev test, whose drawn
+# flash cases differ in 17 of 37); growth is judged from this level up.
+REGRESSION_FLOOR = 1 / 3
 
 
 @dataclasses.dataclass
@@ -75,7 +79,7 @@ def _accepted_impl(impl: str) -> str:
     return "builtin" if impl == "user" else impl
 
 
-def regressions(rows: list[dict], baseline: dict) -> list[str]:
+def regressions(rows: list[dict], baseline: dict, floor: float = REGRESSION_FLOOR) -> list[str]:
     """Budgets that grew past the accepted ones. Keyed by implementation too: a family's
     implementations differ legitimately (e.g. blockwise vs one-shot reductions), so each
     is compared with its own accepted budget, never with another's."""
@@ -84,7 +88,7 @@ def regressions(rows: list[dict], baseline: dict) -> list[str]:
     found = []
     for row in rows:
         key = (row["kernel"], _accepted_impl(row["impl"]), row["backend"], row["dtype"], row["direction"])
-        if key in accepted and row["worst_budget"] > REGRESSION_FACTOR * max(accepted[key], 1e-3):
+        if key in accepted and row["worst_budget"] > REGRESSION_FACTOR * max(accepted[key], floor):
             found.append(f"numerics regression: {'/'.join((row['kernel'], row['impl']) + key[2:])} worst budget "
                          f"{row['worst_budget']:.3g} > {REGRESSION_FACTOR} x baseline {accepted[key]:.3g} "
                          f"(case {row['worst_case']})")
@@ -125,7 +129,8 @@ def device_growth(records: list[dict]) -> list[dict]:
 
 
 def write_reports(directory, *, run_id, complete, selected_backends=None, baseline_path=None,
-                  require_coverage=False, wall_s=0.0, failed_tests=None) -> ReportResult:
+                  require_coverage=False, wall_s=0.0, failed_tests=None,
+                  regression_floor: float = REGRESSION_FLOOR) -> ReportResult:
     from attncheck import backends, specs
 
     directory = pathlib.Path(directory)
@@ -159,7 +164,7 @@ def write_reports(directory, *, run_id, complete, selected_backends=None, baseli
         if baseline is None:
             problems.append(f"--attncheck-baseline: {baseline_path} does not exist or is not JSON")
         else:
-            report["regressions"] = regressions(report["summary"], baseline)
+            report["regressions"] = regressions(report["summary"], baseline, regression_floor)
             problems.extend(report["regressions"])
     report["problems"] = problems
     directory.mkdir(parents=True, exist_ok=True)

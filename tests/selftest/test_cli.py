@@ -93,7 +93,9 @@ def test_baseline_update_then_a_grown_budget_is_a_numerics_regression(gate_dir, 
     # Pretend the accepted budgets were 10x smaller: the same draws now grew past them.
     shrunk = {**baseline, "budgets": [{**b, "worst_budget": b["worst_budget"] / 10} for b in baseline["budgets"]]}
     (gate_dir / "shrunk.json").write_text(json.dumps(shrunk))
-    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-baseline=shrunk.json")
+    # The toy's budgets sit below the default noise floor: judge growth from 0 here.
+    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-baseline=shrunk.json",
+                               "--attncheck-regression-floor=0")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines(["GATE FAILURE: numerics regression: toy_attention/builtin/xla/*"])
     regressed = toy_spec.load_report(gate_dir / "rep2")

@@ -222,10 +222,10 @@ def _accepted(budget: float, impl: str | None = "builtin") -> dict:
     return {"budgets": [entry if impl is None else {**entry, "impl": impl}]}
 
 
-@pytest.mark.parametrize("accepted", [0.5, 0.0])  # 0.0: the floor of 1e-3 applies
+@pytest.mark.parametrize("accepted", [0.5, 0.0])  # 0.0: the noise floor applies
 def test_regression_factor_boundary(accepted):
     baseline = _accepted(accepted)
-    limit = render.REGRESSION_FACTOR * max(accepted, 1e-3)
+    limit = render.REGRESSION_FACTOR * max(accepted, render.REGRESSION_FLOOR)
     assert render.regressions([_row(limit)], baseline) == []  # at the limit: accepted
     assert render.regressions([_row(limit / 2)], baseline) == []
     found = render.regressions([_row(math.nextafter(limit, math.inf))], baseline)
@@ -237,17 +237,17 @@ def test_regression_factor_boundary(accepted):
 
 
 def test_regressions_compare_each_implementation_with_its_own_budget():
-    baseline = {"budgets": _accepted(0.1)["budgets"] + _accepted(0.4, impl="lse")["budgets"]}
-    # lse's own accepted budget is 0.4: 0.5 is no regression although builtin's is 0.1.
-    assert render.regressions([_row(0.5, impl="lse")], baseline) == []
-    assert render.regressions([_row(0.61, impl="lse")], baseline)[0].startswith(
+    baseline = {"budgets": _accepted(0.4)["budgets"] + _accepted(0.6, impl="lse")["budgets"]}
+    # lse's own accepted budget is 0.6: 0.8 is no regression although builtin's is 0.4.
+    assert render.regressions([_row(0.8, impl="lse")], baseline) == []
+    assert render.regressions([_row(0.91, impl="lse")], baseline)[0].startswith(
         "numerics regression: toy_attention/lse/xla/")
     # A user's implementation is held to the built-in budgets; an unknown impl is new.
-    assert render.regressions([_row(0.16, impl="user")], baseline)[0].startswith(
+    assert render.regressions([_row(0.61, impl="user")], baseline)[0].startswith(
         "numerics regression: toy_attention/user/xla/")
     assert render.regressions([_row(5.0, impl="chunked")], baseline) == []
     # A baseline written before budgets were keyed by implementation means the built-in.
-    assert len(render.regressions([_row(0.16)], _accepted(0.1, impl=None))) == 1
+    assert len(render.regressions([_row(0.61)], _accepted(0.4, impl=None))) == 1
 
 
 def test_baseline_takes_the_passing_rows_of_the_familys_own_implementations():
