@@ -69,6 +69,12 @@ def make_case(family: str, seed: int, **params) -> Case:
     return Case(family, _freeze(params), seed)
 
 
+# Axis names of attention outputs and gradients in [B, H, S, D] (for reproducer messages).
+ATTENTION_AXES = {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
+                  "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}
+BIAS_AXES = ("batch", "head", "query", "key")
+
+
 @dataclasses.dataclass(frozen=True)
 class InvalidCall:
     """A call a kernel must reject with its own clear error."""

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from attncheck import backends, baseline, oracle
 from attncheck import strategies as S
-from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+from attncheck.specs.base import (ATTENTION_AXES, BIAS_AXES, Case, InvalidCall, KernelSpec, make_case,
+                                  resolve_impl)
 
 FAMILY = "flash_attention"
 SEQ_LENS = (128, 256, 384, 512)
@@ -209,9 +210,7 @@ class FlashSpec(KernelSpec):
         return case["kv_len"]
 
     def index_names(self, direction):
-        return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
-                "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim"),
-                "dab": ("batch", "head", "query", "key")}.get(direction)
+        return {**ATTENTION_AXES, "dab": BIAS_AXES}.get(direction)
 
     def invalid_calls(self):
         return invalid_flash_calls(self.default_impls["builtin"])

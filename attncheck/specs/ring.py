@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from attncheck import backends, baseline, oracle
 from attncheck import strategies as S
-from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+from attncheck.specs.base import (ATTENTION_AXES, BIAS_AXES, Case, InvalidCall, KernelSpec, make_case,
+                                  resolve_impl)
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 ABSENT_SEGMENT = 1000
@@ -180,10 +181,7 @@ class RingSpec(KernelSpec):
         return case["seq_len"]
 
     def index_names(self, direction):
-        if direction == "dbias":
-            return ("batch", "head", "query", "key")
-        return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
-                "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}.get(direction)
+        return {**ATTENTION_AXES, "dbias": BIAS_AXES}.get(direction)
 
     def invalid_calls(self):
         impl = resolve_impl(self.default_impls["builtin"])
