@@ -1,4 +1,4 @@
-"""attncheck command line: report | repro CASE_ID | baseline update | mutate."""
+"""attncheck command line: report | repro CASE_ID | baseline update | durations update | mutate."""
 
 from __future__ import annotations
 
@@ -93,6 +93,17 @@ def cmd_baseline_update(args) -> int:
     return 0
 
 
+def cmd_durations_update(args) -> int:
+    from attncheck import scheduling
+
+    measured = pathlib.Path(args.report) / scheduling.REPORT_FILE
+    if not measured.is_file():
+        raise SystemExit(f"attncheck durations update: {measured} does not exist; run the tests first")
+    count = scheduling.merge_into(pathlib.Path(args.output), measured)
+    print(f"wrote {count} test durations to {args.output}")
+    return 0
+
+
 def cmd_mutate(args) -> int:
     from attncheck import mutation
 
@@ -122,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--report", default=DEFAULT_REPORT)
     u.add_argument("--output", default="reports/baseline.json")
     u.set_defaults(func=cmd_baseline_update)
+    p = sub.add_parser("durations", help="manage the test durations that order the run")
+    dsub = p.add_subparsers(dest="action", required=True)
+    u = dsub.add_parser("update", help="merge the durations of a run into the committed file")
+    u.add_argument("--report", default="reports/test")
+    u.add_argument("--output", default="tests/durations.json")
+    u.set_defaults(func=cmd_durations_update)
     p = sub.add_parser("mutate", help="run the mutant catalogue against the gate")
     p.add_argument("--kernel", default=None)
     p.add_argument("--mutant", action="append", default=None)

@@ -22,6 +22,12 @@ from attncheck.specs.base import Case, KernelSpec
 # and would inflate the tolerance: fail loudly instead of passing anything.
 MAX_BASELINE_ULPS = 4096.0
 
+# The gate verifies each family x implementation x backend in two tests. The coverage part
+# (the simplest case of every bug class, on the family's first backend) finds most bugs
+# within seconds and runs before everything else; the drawn part holds hypothesis' cases.
+COVERAGE = "coverage"
+DRAWN = "drawn"
+
 
 @dataclasses.dataclass
 class Outcome:

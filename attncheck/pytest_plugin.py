@@ -6,13 +6,15 @@ module imports jax: that is where the host-platform device count must be set.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import os
 import pathlib
 import signal
 import threading
 import time
 
-from attncheck import xla_env
+from attncheck import compile_cache, scheduling, xla_env
 
 xla_env.configure_before_jax_import()
 
@@ -45,6 +47,16 @@ def examples_for(base: int) -> int:
     return max(1, round(base * scale))
 
 
+def draw_seed(*names: str) -> int | None:
+    """The seed of a gate test's draws under a derandomized profile, from what the test
+    verifies (family, backend): hypothesis would otherwise derive it from the test
+    function's source, so any edit of the test body would change every case drawn. None
+    (hypothesis' own random seed) in the other profiles."""
+    if not settings.default.derandomize:
+        return None
+    return int.from_bytes(hashlib.sha256("/".join(names).encode()).digest()[:8], "little")
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("attncheck")
     group.addoption("--attncheck-backend", default=None,
@@ -64,6 +76,13 @@ def pytest_addoption(parser):
     group.addoption("--attncheck-regression-floor", type=float, default=None, metavar="BUDGET",
                     help="budgets below this never count as a regression (default: 1/3, the measured "
                          "run-to-run spread of worst cases)")
+    group.addoption("--attncheck-compile-cache", default=None, metavar="DIR",
+                    help="persistent XLA compilation cache shared by all workers and runs (default: "
+                         "$JAX_COMPILATION_CACHE_DIR, else .jax_cache/compile under the project root; "
+                         f"'{compile_cache.DISABLED}' turns it off)")
+    group.addoption("--attncheck-durations", default=str(scheduling.DEFAULT_FILE), metavar="PATH",
+                    help="test durations of an earlier run (relative to the project root): tests run "
+                         "longest first (default: %(default)s)")
     group.addoption("--attncheck-require-coverage", action="store_true",
                     help="fail the run if a bug class that applies to a kernel was never exercised")
 
@@ -80,14 +99,24 @@ def report_dir(config) -> pathlib.Path:
 def pytest_configure(config):
     from attncheck import specs
 
+    config.addinivalue_line("markers", f"{scheduling.FAIL_FAST_MARKER}: runs before the other tests")
     if config.getoption("--attncheck-only-spec"):
         specs.SPEC_MODULES.clear()
     specs.add_spec_modules(config.getoption("--attncheck-spec"))
+    cache = compile_cache.resolve(config.getoption("--attncheck-compile-cache"), config.rootpath)
+    if cache is not None:
+        compile_cache.enable(cache)
     if _is_worker(config):
         config._attncheck_run_id = config.workerinput["attncheck_run_id"]
         return
     config._attncheck_run_id = f"{time.strftime('%Y%m%dT%H%M%S')}{os.getpid()}"
     config._attncheck_started = time.time()
+    config._attncheck_durations = DurationRecorder()
+    config.pluginmanager.register(config._attncheck_durations, "attncheck-durations")
+    # xdist's default hands each worker a quarter of its share up front, which undoes the
+    # longest-first order; one test at a time keeps it.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
     directory = report_dir(config)
     if getattr(config.option, "xmlpath", None) is None and hasattr(config.option, "xmlpath"):
         directory.mkdir(parents=True, exist_ok=True)
@@ -109,6 +138,23 @@ def pytest_report_header(config):
     return ["attncheck backends:", *lines,
             f"attncheck report: {report_dir(config)}  hypothesis profile: "
             f"{settings.get_current_profile_name()}"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    durations = scheduling.load(config.rootpath / config.getoption("--attncheck-durations"))
+    items[:] = scheduling.longest_first(items, durations)
+
+
+class DurationRecorder:
+    """Controller-side: setup + call + teardown seconds of every test, from the reports
+    (xdist relays the workers' reports here), written next to the run's report."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] += report.duration
 
 
 @pytest.fixture(scope="session")
@@ -177,6 +223,7 @@ def pytest_sessionfinish(session, exitstatus):
         **({} if config.getoption("--attncheck-regression-floor") is None
            else {"regression_floor": config.getoption("--attncheck-regression-floor")}))
     rec.clear_stale_records(report_dir(config), config._attncheck_run_id)
+    scheduling.write(report_dir(config) / scheduling.REPORT_FILE, config._attncheck_durations.seconds)
     config._attncheck_gate_problems = result.problems
     if result.problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

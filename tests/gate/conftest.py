@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attncheck import backends, specs
+from attncheck import backends, gate, scheduling, specs
 
 
 def selected_specs(config) -> list:
@@ -20,6 +20,7 @@ def selected_specs(config) -> list:
 
 
 def gate_targets(config) -> list:
+    """(spec, implementation name, implementation reference, backend, part) params."""
     chosen = backends.parse_backend_option(config.getoption("--attncheck-backend"))
     overrides = specs.parse_impl_overrides(config.getoption("--attncheck-impl"))
     params = []
@@ -31,8 +32,12 @@ def gate_targets(config) -> list:
                     continue
                 reason = backends.BACKENDS[name].unavailable_reason()
                 marks = [pytest.mark.skip(reason=f"backend {name} unavailable: {reason}")] if reason else []
-                params.append(pytest.param((spec, impl_name, ref, name), marks=marks,
-                                           id=f"{spec.name}-{impl_name}-{name}"))
+                first = name == spec.backends[0] and spec.coverage_classes
+                parts = (gate.COVERAGE, gate.DRAWN) if first else (gate.DRAWN,)
+                for part in parts:
+                    fail_fast = [getattr(pytest.mark, scheduling.FAIL_FAST_MARKER)] if part == gate.COVERAGE else []
+                    params.append(pytest.param((spec, impl_name, ref, name, part), marks=[*marks, *fail_fast],
+                                               id=f"{spec.name}-{impl_name}-{name}-{part}"))
     return params
 
 

@@ -13,12 +13,19 @@ import re
 import jsonschema
 import pytest
 
+from attncheck import scheduling
 from attncheck.report import records as rec
 from tests.selftest import toy_spec
 
 pytest_plugins = ("pytester",)
 DIRECTIONS = set(toy_spec.DIRECTIONS)
-USER_TEST = "test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla]"
+# The gate verifies each implementation in two tests: the coverage examples, then the drawn cases.
+USER_TESTS = {part: f"test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla-{part}]"
+              for part in ("coverage", "drawn")}
+USER_TEST = USER_TESTS["drawn"]
+# Runs that plant an interruption or a hang in one test leave the coverage test out, so
+# that exactly one test meets it.
+DRAWN_ONLY = ("-k", "not coverage")
 # The gate module also checks that each invalid call of the family is rejected.
 INVALID_TESTS = len(toy_spec.SPEC.invalid_calls())
 
@@ -69,7 +76,7 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
     reports = {}
     for n, report_name in runs.items():
         assert procs[n].returncode == 0, outputs[n]
-        assert f"{len(toy_spec.SPEC.default_impls) + INVALID_TESTS} passed" in outputs[n], outputs[n]
+        assert f"{2 * len(toy_spec.SPEC.default_impls) + INVALID_TESTS} passed" in outputs[n], outputs[n]
         report = reports[n] = check_report(gate_dir / report_name, validator)
         assert report["complete"] is True and report["problems"] == [], report["problems"]
         records = report["records"]
@@ -84,6 +91,10 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
         assert {r["impl"] for r in records} == set(toy_spec.SPEC.default_impls)
         assert {r["outcome"] for r in records} == {"pass"}
         assert all(r["nodeid"].startswith("test_gate.py::test_kernel_matches_oracle[") for r in records)
+        # The controller saw every test's duration, whichever worker ran it.
+        durations = scheduling.load(gate_dir / report_name / scheduling.REPORT_FILE)
+        assert all(durations[r["nodeid"]] > 0 for r in records)
+        assert len(durations) == 2 * len(toy_spec.SPEC.default_impls) + INVALID_TESTS
     assert comparisons(reports["0"]) == comparisons(reports["2"]) == comparisons(reports["auto"])
     # The runs did not mix: three run ids, each report holding only its own.
     assert len({r["run_id"] for r in reports.values()}) == 3
@@ -100,7 +111,7 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
 def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_dir, pytester, validator):
     result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    result.assert_outcomes(failed=1, passed=INVALID_TESTS)
+    result.assert_outcomes(failed=2, passed=INVALID_TESTS)  # the coverage and the drawn test
     failed = check_report(gate_dir / "rep", validator)
     failing = [r for r in failed["records"] if r["outcome"] == "fail"]
     assert failing and {r["outcome"] for r in failed["records"]} == {"fail"}  # the scale matters in every case
@@ -113,16 +124,16 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
     assert "## Failures" in markdown and f"`{case_id}`" in markdown and f"`{repro}`" in markdown
     result.stdout.fnmatch_lines([f"*reproduce: {repro}*"])
 
-    # --lf with the fixed implementation: only the failed test runs (same node id: the
+    # --lf with the fixed implementation: only the failed tests run (same node ids: the
     # override is "user" either way), and the report is the rerun's, now passing.
     rerun = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention"), "--lf")
     assert rerun.ret == pytest.ExitCode.OK, rerun.stdout.str()
-    rerun.assert_outcomes(passed=1)
-    rerun.stdout.fnmatch_lines(["collected 1 item", "run-last-failure: rerun previous 1 failure*"])
+    rerun.assert_outcomes(passed=2)
+    rerun.stdout.fnmatch_lines(["collected 2 items", "run-last-failure: rerun previous 2 failures*"])
     fixed = check_report(gate_dir / "rep", validator)
     assert fixed["run_id"] != failed["run_id"]
     assert fixed["complete"] is True and fixed["problems"] == []
-    assert {r["nodeid"] for r in fixed["records"]} == {USER_TEST}
+    assert {r["nodeid"] for r in fixed["records"]} == set(USER_TESTS.values())
     assert {r["outcome"] for r in fixed["records"]} == {"pass"}
     assert {r["impl_ref"] for r in fixed["records"]} == {f"{toy_spec.SPEC_MODULE}:toy_attention"}
     assert case_id in {r["case_id"] for r in fixed["records"]}  # the same draws, now passing
@@ -132,7 +143,8 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_interrupted_run_still_merges_and_is_marked_incomplete(gate_dir, pytester, validator, workers):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_interrupt"), "-n", workers)
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_interrupt"), "-n", workers,
+                               *DRAWN_ONLY)
     assert result.ret == pytest.ExitCode.INTERRUPTED, result.stdout.str()
     # pytest: "KeyboardInterrupt"; xdist: "node down: keyboard-interrupt"
     result.stdout.re_match_lines([r"(?i).*keyboard.?interrupt"])
@@ -149,7 +161,8 @@ def test_interrupted_run_still_merges_and_is_marked_incomplete(gate_dir, pyteste
 
 
 def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, validator):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_hang"), "--timeout=5")
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_hang"), "--timeout=5",
+                               *DRAWN_ONLY)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     # The hanging test fails with the timeout; the other tests still ran and passed.
     result.assert_outcomes(failed=1, passed=INVALID_TESTS)

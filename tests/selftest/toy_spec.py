@@ -283,8 +283,6 @@ def setup_gate_dir(pytester, monkeypatch) -> pathlib.Path:
     pytester.makeini(INI)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     # The runs must not write to this job's step summary, nor think they are xdist workers.
     for name in ("GITHUB_STEP_SUMMARY", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                  "PYTEST_XDIST_TESTRUNUID", CALL_LOG_ENV):

@@ -1,0 +1,55 @@
+"""Longest-first test order from measured durations, for balanced xdist workers.
+
+The gate's tests differ in cost by two orders of magnitude (one kernel family on one
+backend takes a minute, an invalid-input check a millisecond). xdist hands tests out in
+collection order, so a long test collected last leaves one worker running it while the
+other idles. Sorting by the durations of an earlier run, longest first, and handing out
+one test at a time (``--maxschedchunk 1``) makes the tail of the run short tests only.
+
+Order changes only speed, never verdicts: the gate's tests are order-independent (the CI
+profile draws every case from a fixed seed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+DEFAULT_FILE = pathlib.Path("tests") / "durations.json"
+REPORT_FILE = "durations.json"
+
+
+def load(path: pathlib.Path) -> dict[str, float]:
+    """nodeid -> seconds; empty when the file does not exist."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
+        raise ValueError(f"{path}: expected a JSON object of test id -> seconds")
+    return data
+
+
+FAIL_FAST_MARKER = "attncheck_fail_fast"
+
+
+def longest_first(items: list, durations: dict[str, float]) -> list:
+    """Tests marked fail-fast first (they find most bugs in seconds, which is what
+    ``pytest -x`` is for), then every test by recorded duration, longest first; a test
+    with no record yet counts as longest (it may be long, and a long test must not be
+    the one left at the end). Stable, so equal keys keep collection order."""
+    return sorted(items, key=lambda item: (item.get_closest_marker(FAIL_FAST_MARKER) is None,
+                                           -durations.get(item.nodeid, math.inf)))
+
+
+def write(path: pathlib.Path, durations: dict[str, float]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: round(v, 2) for k, v in sorted(durations.items())}, indent=0) + "\n")
+
+
+def merge_into(target: pathlib.Path, measured: pathlib.Path) -> int:
+    """Update ``target`` with the durations of a run (``measured``); tests that run did
+    not include keep their old entry. Returns the number of entries written."""
+    merged = {**load(target), **load(measured)}
+    write(target, merged)
+    return len(merged)

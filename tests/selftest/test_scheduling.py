@@ -1,0 +1,95 @@
+"""Test order (longest first, fail-fast tests before all) and the compilation cache's place."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import types
+
+import pytest
+
+from attncheck import compile_cache, scheduling
+
+
+def _item(nodeid: str, fail_fast: bool = False):
+    marker = object() if fail_fast else None
+    return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: marker
+                                 if name == scheduling.FAIL_FAST_MARKER else None)
+
+
+def test_fail_fast_first_then_longest_first_with_unknown_tests_counted_longest():
+    items = [_item("short"), _item("long"), _item("new"), _item("smoke", fail_fast=True),
+             _item("medium"), _item("same-as-medium")]
+    durations = {"short": 0.1, "long": 60.0, "medium": 5.0, "same-as-medium": 5.0, "smoke": 9.0}
+    order = [i.nodeid for i in scheduling.longest_first(items, durations)]
+    assert order == ["smoke", "new", "long", "medium", "same-as-medium", "short"]
+
+
+def test_without_durations_the_collection_order_stays_apart_from_fail_fast(tmp_path):
+    items = [_item("b"), _item("a", fail_fast=True), _item("c")]
+    durations = scheduling.load(tmp_path / "missing.json")
+    assert durations == {}
+    assert [i.nodeid for i in scheduling.longest_first(items, durations)] == ["a", "b", "c"]
+
+
+def test_merge_keeps_tests_the_run_did_not_include(tmp_path):
+    committed, measured = tmp_path / "durations.json", tmp_path / "run" / "durations.json"
+    scheduling.write(committed, {"kept": 3.0, "updated": 1.0})
+    scheduling.write(measured, {"updated": 7.123, "added": 0.5})
+    assert scheduling.merge_into(committed, measured) == 3
+    assert json.loads(committed.read_text()) == {"added": 0.5, "kept": 3.0, "updated": 7.12}
+
+
+def test_a_malformed_durations_file_is_named(tmp_path):
+    bad = tmp_path / "durations.json"
+    bad.write_text('{"a": "slow"}')
+    with pytest.raises(ValueError, match=r"durations.json: expected a JSON object of test id -> seconds"):
+        scheduling.load(bad)
+
+
+def test_compile_cache_option_beats_environment_beats_project_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert compile_cache.resolve(None, tmp_path) == tmp_path / compile_cache.DEFAULT_DIR
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert compile_cache.resolve(None, tmp_path) == tmp_path / "env"
+    assert compile_cache.resolve(str(tmp_path / "opt"), tmp_path) == tmp_path / "opt"
+    assert compile_cache.resolve(compile_cache.DISABLED, tmp_path) is None
+
+
+def test_the_gate_run_uses_the_project_compilation_cache(pytestconfig):
+    import jax
+
+    configured = jax.config.jax_compilation_cache_dir
+    expected = compile_cache.resolve(pytestconfig.getoption("--attncheck-compile-cache"), pytestconfig.rootpath)
+    assert configured is not None and pathlib.Path(configured) == expected
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+
+
+def _compile_probe(name: str, devices: int) -> list[pathlib.Path]:
+    """Compile (and run) a function with a host callback over `devices` devices; return the
+    cache entries written for it."""
+    import jax
+    import numpy as np
+    from jax.experimental import io_callback
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
+
+    def body(x):
+        return io_callback(lambda a: a + 1, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def probe(x):
+        return jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"))(x)
+
+    probe.__name__ = name  # the cache entry's file name starts with jit_<name>
+    out = jax.jit(probe)(np.zeros(4 * devices, np.float32))
+    np.testing.assert_array_equal(np.asarray(out), 1.0)
+    return list(pathlib.Path(jax.config.jax_compilation_cache_dir).glob(f"jit_{name}-*"))
+
+
+def test_multi_device_executables_with_host_callbacks_bypass_the_cache():
+    import uuid
+
+    token = uuid.uuid4().hex[:12]  # a module name no earlier run can have cached
+    assert _compile_probe(f"attncheck_probe_one_{token}", devices=1), "single-device entry not cached"
+    assert _compile_probe(f"attncheck_probe_two_{token}", devices=2) == []
