@@ -7,6 +7,7 @@ reruns exactly what the gate ran.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import traceback
@@ -42,6 +43,37 @@ class Outcome:
                  f"{r['outcome'].upper()}: {r['reason']}\n  reproduce: {r['repro']}"
                  for r in self.failures]
         return "\n".join(lines)
+
+
+# jax's own spans for tracing, lowering to MLIR and XLA compilation (or loading from the
+# persistent cache): how much of a phase was compile rather than run.
+COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                            "/jax/core/compile/backend_compile_duration"})
+
+
+@contextlib.contextmanager
+def compile_seconds(timings: dict, key: str):
+    """Put into ``timings[key]`` the seconds the block spent tracing and compiling; nested
+    spans (a jit traced inside another) count once."""
+    import jax
+
+    spans = []
+
+    def listener(event, start, end, **_):
+        if event in COMPILE_EVENTS:
+            spans.append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(listener)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(listener)
+        total, reach = 0.0, float("-inf")
+        for start, end in sorted(spans):
+            total += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        timings[key] = total
 
 
 # Spec modules under this package are always known to ``attncheck repro``; any other one
@@ -84,7 +116,7 @@ def check_case(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, bac
     timings["inputs_s"] = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        with backend.context(case.seed):
+        with backend.context(case.seed), compile_seconds(timings, "kernel_compile_s"):
             got = spec.run(impl, case, inputs)
     except Exception as exc:  # the kernel crashed: one error record, the test fails
         return Outcome([{**base, "direction": "all", "outcome": "error", "reason": _error_text(exc),
@@ -94,7 +126,8 @@ def check_case(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, bac
     truth = spec.oracle(case, inputs)
     timings["oracle_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    reference = spec.baseline(case, inputs)
+    with compile_seconds(timings, "baseline_compile_s"):
+        reference = spec.baseline(case, inputs)
     timings["baseline_s"] = time.perf_counter() - start
     care = spec.care(case, inputs)
     dtypes = spec.output_dtypes(case)
