@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mutant", action="append", default=None)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--sample", action="store_true", help="only the PR-gate sample of fast mutants")
+    p.add_argument("--whole-gate", action="store_true",
+                   help="run the whole gate (-x -n auto) against each mutant, not only its family's")
     p.add_argument("--report", default=DEFAULT_REPORT)
     p.set_defaults(func=cmd_mutate)
     return parser

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -62,13 +63,15 @@ def apply(mutant: Mutant, root: pathlib.Path) -> None:
     (root / mutant.file).write_text(mutated_source(mutant, root))
 
 
-def gate_command(family: str, report_dir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
+def gate_command(family: str | None, report_dir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The family's gate with -x; with family None the whole gate as a developer runs it
+    (-x -n auto), which is what the time to kill of a PR means."""
+    selection = ("--attncheck-kernel", family) if family else ("-n", "auto")
     return [sys.executable, "-m", "pytest", "tests/gate", "-x", "-q", "-p", "no:cacheprovider",
-            "--hypothesis-profile=ci", "--attncheck-kernel", family, "--attncheck-report", str(report_dir),
-            *extra]
+            "--hypothesis-profile=ci", *selection, "--attncheck-report", str(report_dir), *extra]
 
 
-def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S) -> dict:
+def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: bool = False) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"attncheck-mutant-{mutant.id}-") as tmp:
         root = pathlib.Path(tmp)
@@ -82,8 +85,8 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S) -> dict:
         # The copy must shadow the editable install: cwd and PYTHONPATH come first.
         env = dict(os.environ, PYTHONPATH=str(root), CI="true")
         try:
-            proc = subprocess.run(gate_command(mutant.family, root / "reports"), cwd=root, env=env,
-                                  capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.run(gate_command(None if whole_gate else mutant.family, root / "reports"),
+                                  cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return _result(mutant, "timed out", start, f"no verdict within {timeout_s:.0f} s")
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
@@ -134,7 +137,7 @@ def main(args) -> int:
         mutated_source(m)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = []
-        for result in pool.map(run_mutant, chosen):
+        for result in pool.map(functools.partial(run_mutant, whole_gate=args.whole_gate), chosen):
             print(f"{result['status']:>10}  {result['id']:<34} {result['seconds']:>6.1f} s  {result['description']}",
                   flush=True)
             results.append(result)

@@ -78,8 +78,8 @@ def pytest_addoption(parser):
                          "run-to-run spread of worst cases)")
     group.addoption("--attncheck-compile-cache", default=None, metavar="DIR",
                     help="persistent XLA compilation cache shared by all workers and runs (default: "
-                         "$JAX_COMPILATION_CACHE_DIR, else .jax_cache/compile under the project root; "
-                         f"'{compile_cache.DISABLED}' turns it off)")
+                         "$JAX_COMPILATION_CACHE_DIR, else none: see attncheck/compile_cache.py for the "
+                         "interpret-mode deadlock a warm cache provoked)")
     group.addoption("--attncheck-durations", default=str(scheduling.DEFAULT_FILE), metavar="PATH",
                     help="test durations of an earlier run (relative to the project root): tests run "
                          "longest first (default: %(default)s)")
@@ -103,7 +103,7 @@ def pytest_configure(config):
     if config.getoption("--attncheck-only-spec"):
         specs.SPEC_MODULES.clear()
     specs.add_spec_modules(config.getoption("--attncheck-spec"))
-    cache = compile_cache.resolve(config.getoption("--attncheck-compile-cache"), config.rootpath)
+    cache = compile_cache.resolve(config.getoption("--attncheck-compile-cache"))
     if cache is not None:
         compile_cache.enable(cache)
     if _is_worker(config):

@@ -1,15 +1,14 @@
 """Benchmark the PR gate: wall and CPU time, cases, throughput, memory, phase breakdown.
 
-Runs the gate with the CI profile at -n 0 and at -n auto, each from cold processes and an
-empty compilation cache of its own (what a fresh CI clone sees; with --warm each mode runs a
-second time on the cache its first run filled), with the report written to
-reports/bench/<run>/, and prints per run: wall time, CPU time of the pytest processes,
+Runs the gate with the CI profile at -n 0 and at -n auto, each from cold processes (no
+persistent compilation cache: see attncheck/compile_cache.py), with the report written to
+reports/bench/n<mode>/, and prints per run: wall time, CPU time of the pytest processes,
 cases verified, cases per minute, peak RSS per worker, time each worker spent in cases, and
 the phases summed from the records (inputs, kernel = trace + compile + run, oracle,
 baseline, compare, lowering), per kernel and backend; the harness overhead is everything
 that is not kernel or lowering time. Writes reports/bench/bench.json.
 
-    python benchmarks/gate_bench.py [--modes 0,auto] [--warm] [pytest args...]
+    python benchmarks/gate_bench.py [--modes 0,auto] [--output bench.json] [pytest args...]
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import collections
 import json
 import pathlib
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -33,13 +31,10 @@ PHASES = ("inputs_s", "kernel_s", "kernel_compile_s", "lower_s", "oracle_s", "ba
           "baseline_compile_s", "compare_s")
 
 
-def run_gate(mode: str, cache: str, extra: list[str]) -> dict:
-    report_dir = OUT / f"n{mode}-{cache}"
-    cache_dir = OUT / f"compile-cache-n{mode}"
-    if cache == "cold":
-        shutil.rmtree(cache_dir, ignore_errors=True)
+def run_gate(mode: str, extra: list[str]) -> dict:
+    report_dir = OUT / f"n{mode}"
     cmd = [sys.executable, "-m", "pytest", "tests/gate", "-q", "-n", mode, "--hypothesis-profile=ci",
-           "--attncheck-report", str(report_dir), "--attncheck-compile-cache", str(cache_dir), *extra]
+           "--attncheck-report", str(report_dir), *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -72,7 +67,7 @@ def run_gate(mode: str, cache: str, extra: list[str]) -> dict:
     cases = report["totals"]["cases"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
-        "mode": mode, "cache": cache, "exit_code": proc.returncode, "wall_s": round(wall, 1),
+        "mode": mode, "exit_code": proc.returncode, "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1), "cores_busy": round(cpu / wall, 2),
         "cases": cases, "comparisons": report["totals"]["records"], "failures": report["totals"]["failures"],
         "cases_per_minute": round(cases / wall * 60, 1),
@@ -90,14 +85,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="0,auto", help="comma-separated -n values")
     parser.add_argument("--output", default="bench.json", help="file name under reports/bench/")
-    parser.add_argument("--warm", action="store_true",
-                        help="also run each mode again on the compilation cache its cold run filled")
     args, extra = parser.parse_known_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    caches = ("cold", "warm") if args.warm else ("cold",)
-    results = [run_gate(mode, cache, extra) for mode in args.modes.split(",") for cache in caches]
+    results = [run_gate(mode, extra) for mode in args.modes.split(",")]
     for r in results:
-        print(f"-n {r['mode']} ({r['cache']} compilation cache): wall {r['wall_s']} s, cpu {r['cpu_s']} s "
+        print(f"-n {r['mode']}: wall {r['wall_s']} s, cpu {r['cpu_s']} s "
               f"({r['cores_busy']} cores busy), {r['cases']} cases ({r['comparisons']} comparisons, "
               f"{r['failures']} failing), {r['cases_per_minute']} cases/min, harness overhead "
               f"{r['harness_overhead_share']:.1%}, peak RSS/worker {r['peak_rss_mb_per_worker']} MB, "
@@ -106,11 +98,9 @@ def main() -> int:
         for name, phase in r["phases"].items():
             print(f"    {name:<40} " + "  ".join(f"{p[:-2]} {phase.get(p, 0):6.1f}" for p in PHASES)
                   + f"  cases {phase.get('cases', 0):.0f}")
-    for cache in caches:
-        runs = [r for r in results if r["cache"] == cache]
-        if len(runs) == 2:
-            print(f"speed-up -n {runs[1]['mode']} vs -n {runs[0]['mode']} ({cache}): "
-                  f"{runs[0]['wall_s'] / runs[1]['wall_s']:.2f}x")
+    if len(results) == 2:
+        print(f"speed-up -n {results[1]['mode']} vs -n {results[0]['mode']}: "
+              f"{results[0]['wall_s'] / results[1]['wall_s']:.2f}x")
     (OUT / args.output).write_text(json.dumps(results, indent=1))
     return 0 if all(r["exit_code"] == 0 for r in results) else 1
 

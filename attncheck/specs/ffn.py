@@ -6,7 +6,6 @@ output and for the gradients of x and every weight.
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import jax

@@ -109,3 +109,11 @@ def test_summarize_excludes_equivalent_and_invalid():
     assert summary["kill_rate"] == pytest.approx(2 / 3)
     assert summary["per_kernel"]["f"]["kill_rate"] == pytest.approx(2 / 3)
 
+
+
+def test_gate_command_runs_one_family_or_the_whole_gate_with_x(tmp_path):
+    family = mutation.gate_command("ring_attention", tmp_path)
+    whole = mutation.gate_command(None, tmp_path)
+    assert "-x" in family and "-x" in whole
+    assert family[family.index("--attncheck-kernel") + 1] == "ring_attention"
+    assert "--attncheck-kernel" not in whole and whole[whole.index("-n") + 1] == "auto"
