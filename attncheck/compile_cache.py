@@ -4,7 +4,8 @@ xdist workers, later runs and the mutation runner's subprocesses compile the sam
 executables again; with a cache directory they load what another process compiled (the
 key covers the lowered module, compile options, XLA flags and the jax version, so a
 changed kernel never hits a stale entry). Measured on the full gate at -n 0: 257 s on a
-warm cache instead of 388 s cold.
+warm cache, 388 s on an empty one (one process still reloads executables it compiled),
+471 s without a cache.
 
 It is off unless asked for (``--attncheck-compile-cache DIR`` or
 ``$JAX_COMPILATION_CACHE_DIR``) because on a warm cache the 8-device ring flash case of

@@ -89,14 +89,19 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
                                   cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return _result(mutant, "timed out", start, f"no verdict within {timeout_s:.0f} s")
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-    if proc.returncode == 1:
-        status = "killed"
-    elif proc.returncode == 0:
-        status = "equivalent" if mutant.equivalent else "survived"
-    else:
-        status = "invalid"
-    return _result(mutant, status, start, " | ".join(tail))
+    output = proc.stdout + proc.stderr
+    tail = output.strip().splitlines()[-3:]
+    return _result(mutant, verdict(proc.returncode, output, mutant.equivalent), start, " | ".join(tail))
+
+
+def verdict(returncode: int, output: str, equivalent: str | None) -> str:
+    """Classify a gate run on a mutant. xdist reports a run stopped by -x as interrupted
+    (exit 2, "stopping after 1 failures"): that is a kill, not a broken catalogue entry."""
+    if returncode == 1 or (returncode == 2 and "stopping after 1 failures" in output):
+        return "killed"
+    if returncode == 0:
+        return "equivalent" if equivalent else "survived"
+    return "invalid"
 
 
 def _result(mutant: Mutant, status: str, start: float, detail: str) -> dict:

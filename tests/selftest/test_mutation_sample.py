@@ -117,3 +117,12 @@ def test_gate_command_runs_one_family_or_the_whole_gate_with_x(tmp_path):
     assert "-x" in family and "-x" in whole
     assert family[family.index("--attncheck-kernel") + 1] == "ring_attention"
     assert "--attncheck-kernel" not in whole and whole[whole.index("-n") + 1] == "auto"
+
+
+def test_a_run_stopped_by_x_under_xdist_is_a_kill_and_other_crashes_are_invalid():
+    stopped = "!!! xdist.dsession.Interrupted: stopping after 1 failures !!!\n1 failed, 3 passed"
+    assert mutation.verdict(2, stopped, None) == "killed"
+    assert mutation.verdict(1, "1 failed", None) == "killed"
+    assert mutation.verdict(2, "ERROR collecting tests/gate/test_gate.py", None) == "invalid"
+    assert mutation.verdict(0, "9 passed", None) == "survived"
+    assert mutation.verdict(0, "9 passed", "no observable difference") == "equivalent"
