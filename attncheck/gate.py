@@ -89,7 +89,7 @@ def repro_command(case: Case, impl_name: str, backend: str, spec_module: str | N
 
 
 def _base_record(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, backend: Backend) -> dict:
-    settings = backend.settings(case.seed)
+    settings = backend.settings(case.seed, spec.device_count(case))
     return {
         "case_id": case.id, "case": case.to_json(), "kernel": spec.name, "impl": impl_name,
         "impl_ref": f"{impl.__module__}:{impl.__qualname__}",
@@ -116,7 +116,7 @@ def check_case(spec: KernelSpec, impl_name: str, impl: Callable, case: Case, bac
     timings["inputs_s"] = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        with backend.context(case.seed), compile_seconds(timings, "kernel_compile_s"):
+        with backend.context(case.seed, spec.device_count(case)), compile_seconds(timings, "kernel_compile_s"):
             got = spec.run(impl, case, inputs)
     except Exception as exc:  # the kernel crashed: one error record, the test fails
         return Outcome([{**base, "direction": "all", "outcome": "error", "reason": _error_text(exc),

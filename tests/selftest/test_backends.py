@@ -103,3 +103,12 @@ def test_interpret_backend_poisons_uninitialised_scratch():
     with backends.BACKENDS["interpret"].context():
         out = np.asarray(jax.jit(_reads_scratch_before_writing)(jnp.ones((8, 128), jnp.float32)))
     assert np.isnan(out).all()
+
+
+def test_two_simulated_cores_only_up_to_the_device_limit():
+    hazards = backends.BACKENDS["interpret-hazards"]
+    two_core_seed = next(s for s in range(8) if hazards.settings(s)["num_cores_or_threads"] == 2)
+    limit = backends.MAX_DEVICES_WITH_SIMULATED_CORES
+    assert hazards.settings(two_core_seed, devices=limit)["num_cores_or_threads"] == 2
+    wide = hazards.settings(two_core_seed, devices=2 * limit)
+    assert wide["num_cores_or_threads"] == 1 and wide["detect_races"]
