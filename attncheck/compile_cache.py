@@ -8,14 +8,12 @@ warm cache, 388 s on an empty one (one process still reloads executables it comp
 471 s without a cache.
 
 It is off unless asked for (``--attncheck-compile-cache DIR`` or
-``$JAX_COMPILATION_CACHE_DIR``) because on a warm cache the 8-device ring flash case of
-the interpret-hazards backend (two simulated cores per device) deadlocked in five of five
-full runs (7 of 8 devices wait at the first collective-permute while the eighth's
-interpreter callbacks wait for per-core executions that never get a thread), including
-runs where no executable with host callbacks, and nothing compiled inside a callback, was
-taken from the cache; cold, the same case passed in every run. A deadlock in C++ cannot
-be interrupted by the per-test timeout, so a cache that changes the interpreter's timing
-is not worth its speed for the gate. The XLA-only self-test runs use one.
+``$JAX_COMPILATION_CACHE_DIR``): on a warm cache the 8-device ring flash case of the
+interpret-hazards backend deadlocked in five of five full runs. The deadlock turned out
+not to be the cache's (a fresh clone without one hung once too: two simulated cores on 8
+devices starve XLA's CPU thread pool, now avoided in ``attncheck/backends.py``), but the
+cache made it likely by changing the interpreter's timing, and it has not been re-measured
+since that fix. The XLA-only self-test runs use one.
 """
 
 from __future__ import annotations
