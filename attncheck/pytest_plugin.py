@@ -113,6 +113,7 @@ def pytest_configure(config):
     config._attncheck_started = time.time()
     config._attncheck_durations = DurationRecorder()
     config.pluginmanager.register(config._attncheck_durations, "attncheck-durations")
+    config.pluginmanager.register(MaxfailStop(config), "attncheck-maxfail-stop")
     # xdist's default hands each worker a quarter of its share up front, which undoes the
     # longest-first order; one test at a time keeps it.
     if getattr(config.option, "maxschedchunk", 0) is None:
@@ -143,7 +144,7 @@ def pytest_report_header(config):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     durations = scheduling.load(config.rootpath / config.getoption("--attncheck-durations"))
-    items[:] = scheduling.longest_first(items, durations)
+    items[:] = scheduling.run_order(items, durations)
 
 
 class DurationRecorder:
@@ -154,7 +155,50 @@ class DurationRecorder:
         self.seconds: collections.Counter = collections.Counter()
 
     def pytest_runtest_logreport(self, report):
-        self.seconds[report.nodeid] += report.duration
+        # A test skipped partway (the run stopped at --maxfail) would be recorded as short
+        # and scheduled last next time; a skipped test costs nothing wherever it runs.
+        if not report.skipped:
+            self.seconds[report.nodeid] += report.duration
+
+
+def _stop_file(config) -> pathlib.Path:
+    return report_dir(config) / f".stop-{config._attncheck_run_id}"
+
+
+class MaxfailStop:
+    """Controller-side: once the run has reached ``--maxfail`` (``-x``), says so in a file
+    the workers look for before each case.
+
+    xdist stops handing out tests at the first failure, but every worker still finishes
+    the tests it already holds, a drawn test minutes long among them: measured, a planted
+    bug reported 55 s into the run ended it only after 208 s. The gate's tests skip
+    their remaining cases when the file exists (``attncheck_stop_point``).
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self.failed = 0
+
+    def pytest_runtest_logreport(self, report):
+        maxfail = self.config.getoption("maxfail")
+        if report.failed:
+            self.failed += 1
+            if maxfail and self.failed >= maxfail:
+                _stop_file(self.config).parent.mkdir(parents=True, exist_ok=True)
+                _stop_file(self.config).touch()
+
+
+@pytest.fixture
+def attncheck_stop_point(request):
+    """A callable to call before each case: skips the rest of the test once the run has
+    stopped at ``--maxfail`` on another worker."""
+    path = _stop_file(request.config)
+
+    def check() -> None:
+        if path.exists():
+            pytest.skip(f"not run: the run stopped at --maxfail={request.config.getoption('maxfail')}")
+
+    return check
 
 
 @pytest.fixture(scope="session")
@@ -223,6 +267,7 @@ def pytest_sessionfinish(session, exitstatus):
         **({} if config.getoption("--attncheck-regression-floor") is None
            else {"regression_floor": config.getoption("--attncheck-regression-floor")}))
     rec.clear_stale_records(report_dir(config), config._attncheck_run_id)
+    _stop_file(config).unlink(missing_ok=True)
     scheduling.write(report_dir(config) / scheduling.REPORT_FILE, config._attncheck_durations.seconds)
     config._attncheck_gate_problems = result.problems
     if result.problems and session.exitstatus == pytest.ExitCode.OK:

@@ -1,4 +1,4 @@
-"""Longest-first test order from measured durations, for balanced xdist workers.
+"""Test order from measured durations: fail-fast tests first, then longest first.
 
 The gate's tests differ in cost by two orders of magnitude (one kernel family on one
 backend takes a minute, an invalid-input check a millisecond). xdist hands tests out in
@@ -33,13 +33,19 @@ def load(path: pathlib.Path) -> dict[str, float]:
 FAIL_FAST_MARKER = "attncheck_fail_fast"
 
 
-def longest_first(items: list, durations: dict[str, float]) -> list:
-    """Tests marked fail-fast first (they find most bugs in seconds, which is what
-    ``pytest -x`` is for), then every test by recorded duration, longest first; a test
-    with no record yet counts as longest (it may be long, and a long test must not be
-    the one left at the end). Stable, so equal keys keep collection order."""
-    return sorted(items, key=lambda item: (item.get_closest_marker(FAIL_FAST_MARKER) is None,
-                                           -durations.get(item.nodeid, math.inf)))
+def run_order(items: list, durations: dict[str, float]) -> list:
+    """Tests marked fail-fast first, shortest first: under ``pytest -x`` the time to the
+    first failure is what counts, and the cheap families' simplest cases are where most
+    bugs show. Then every other test by recorded duration, longest first, so that the
+    tail of the run is short tests only; a test with no record yet counts as longest (it
+    may be long, and a long test must not be the one left at the end). Stable, so equal
+    keys keep collection order."""
+    def key(item):
+        if item.get_closest_marker(FAIL_FAST_MARKER) is not None:
+            return (0, durations.get(item.nodeid, math.inf))
+        return (1, -durations.get(item.nodeid, math.inf))
+
+    return sorted(items, key=key)
 
 
 def write(path: pathlib.Path, durations: dict[str, float]) -> None:

@@ -20,13 +20,14 @@ from attncheck.specs.base import coverage_examples
 pytestmark = pytest.mark.gate
 
 
-def test_kernel_matches_oracle(gate_target, attncheck_record):
+def test_kernel_matches_oracle(gate_target, attncheck_record, attncheck_stop_point):
     spec, impl_name, ref, backend_name, part = gate_target
     impl = resolve_impl(ref)
     backend = backends.BACKENDS[backend_name]
     recorded = set()  # hypothesis replays a failing example: record each case once
 
     def check(case) -> gate.Outcome:
+        attncheck_stop_point()
         outcome = gate.check_case(spec, impl_name, impl, case, backend)
         if case.id not in recorded:
             recorded.add(case.id)

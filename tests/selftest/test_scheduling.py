@@ -1,4 +1,4 @@
-"""Test order (longest first, fail-fast tests before all) and where the compilation cache is."""
+"""Test order (fail-fast tests first, then longest first) and where the compilation cache is."""
 
 from __future__ import annotations
 
@@ -16,19 +16,20 @@ def _item(nodeid: str, fail_fast: bool = False):
                                  if name == scheduling.FAIL_FAST_MARKER else None)
 
 
-def test_fail_fast_first_then_longest_first_with_unknown_tests_counted_longest():
-    items = [_item("short"), _item("long"), _item("new"), _item("smoke", fail_fast=True),
-             _item("medium"), _item("same-as-medium")]
-    durations = {"short": 0.1, "long": 60.0, "medium": 5.0, "same-as-medium": 5.0, "smoke": 9.0}
-    order = [i.nodeid for i in scheduling.longest_first(items, durations)]
-    assert order == ["smoke", "new", "long", "medium", "same-as-medium", "short"]
+def test_fail_fast_shortest_first_then_longest_first_with_unknown_tests_counted_longest():
+    items = [_item("short"), _item("long"), _item("new"), _item("slow-smoke", fail_fast=True),
+             _item("medium"), _item("smoke", fail_fast=True), _item("same-as-medium")]
+    durations = {"short": 0.1, "long": 60.0, "medium": 5.0, "same-as-medium": 5.0, "smoke": 2.0,
+                 "slow-smoke": 9.0}
+    order = [i.nodeid for i in scheduling.run_order(items, durations)]
+    assert order == ["smoke", "slow-smoke", "new", "long", "medium", "same-as-medium", "short"]
 
 
 def test_without_durations_the_collection_order_stays_apart_from_fail_fast(tmp_path):
     items = [_item("b"), _item("a", fail_fast=True), _item("c")]
     durations = scheduling.load(tmp_path / "missing.json")
     assert durations == {}
-    assert [i.nodeid for i in scheduling.longest_first(items, durations)] == ["a", "b", "c"]
+    assert [i.nodeid for i in scheduling.run_order(items, durations)] == ["a", "b", "c"]
 
 
 def test_merge_keeps_tests_the_run_did_not_include(tmp_path):
@@ -53,3 +54,36 @@ def test_compile_cache_is_opt_in_and_the_option_beats_the_environment(tmp_path, 
     assert compile_cache.resolve(None) == tmp_path / "env"
     assert compile_cache.resolve(str(tmp_path / "opt")) == tmp_path / "opt"
     assert compile_cache.resolve(compile_cache.DISABLED) is None
+
+
+def _config(tmp_path, maxfail: int):
+    options = {"maxfail": maxfail, "--attncheck-report": str(tmp_path / "rep")}
+    return types.SimpleNamespace(getoption=options.__getitem__, _attncheck_run_id="run-1")
+
+
+@pytest.mark.parametrize("maxfail", [0, 1, 3])
+def test_reaching_maxfail_tells_the_workers_to_stop_and_nothing_earlier_does(tmp_path, maxfail):
+    from attncheck import pytest_plugin
+
+    config = _config(tmp_path, maxfail)
+    stop = pytest_plugin.MaxfailStop(config)
+    stop_file = pytest_plugin._stop_file(config)
+    failed, passed = types.SimpleNamespace(failed=True), types.SimpleNamespace(failed=False)
+    for count in range(1, 5):
+        stop.pytest_runtest_logreport(passed)
+        stop.pytest_runtest_logreport(failed)
+        assert stop_file.exists() == (0 < maxfail <= count), (maxfail, count)
+    # Another run (another run id) in the same report directory is not stopped by it.
+    assert not pytest_plugin._stop_file(types.SimpleNamespace(**{**vars(config), "_attncheck_run_id": "run-2"})).exists()
+
+
+def test_a_gate_test_skips_its_remaining_cases_once_the_run_stopped(tmp_path):
+    from attncheck import pytest_plugin
+
+    config = _config(tmp_path, 1)
+    check = pytest_plugin.attncheck_stop_point.__wrapped__(types.SimpleNamespace(config=config))
+    check()  # not stopped: returns
+    pytest_plugin._stop_file(config).parent.mkdir(parents=True)
+    pytest_plugin._stop_file(config).touch()
+    with pytest.raises(pytest.skip.Exception, match=r"the run stopped at --maxfail=1"):
+        check()
