@@ -91,7 +91,14 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
             return _result(mutant, "timed out", start, f"no verdict within {timeout_s:.0f} s")
     output = proc.stdout + proc.stderr
     tail = output.strip().splitlines()[-3:]
-    return _result(mutant, verdict(proc.returncode, output, mutant.equivalent), start, " | ".join(tail))
+    return _result(mutant, verdict(proc.returncode, output, mutant.equivalent), start, " | ".join(tail),
+                   killed_by=failed_tests(output))
+
+
+def failed_tests(output: str) -> list[str]:
+    """The tests pytest's summary names as failed: which part of the gate (a family's
+    coverage examples or its drawn cases) caught the mutant."""
+    return sorted({line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")})
 
 
 def verdict(returncode: int, output: str, equivalent: str | None) -> str:
@@ -104,10 +111,11 @@ def verdict(returncode: int, output: str, equivalent: str | None) -> str:
     return "invalid"
 
 
-def _result(mutant: Mutant, status: str, start: float, detail: str) -> dict:
+def _result(mutant: Mutant, status: str, start: float, detail: str, killed_by: list[str] = ()) -> dict:
     return {"id": mutant.id, "family": mutant.family, "bug_class": mutant.bug_class,
             "description": mutant.description, "status": status, "equivalent": mutant.equivalent,
-            "seconds": round(time.perf_counter() - start, 1), "detail": detail[-600:]}
+            "seconds": round(time.perf_counter() - start, 1), "killed_by": list(killed_by) if status == "killed" else [],
+            "detail": detail[-600:]}
 
 
 def summarize(results: list[dict]) -> dict:
@@ -143,8 +151,9 @@ def main(args) -> int:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = []
         for result in pool.map(functools.partial(run_mutant, whole_gate=args.whole_gate), chosen):
-            print(f"{result['status']:>10}  {result['id']:<34} {result['seconds']:>6.1f} s  {result['description']}",
-                  flush=True)
+            caught = ", ".join(t.rpartition("[")[2].rstrip("]") for t in result["killed_by"])
+            print(f"{result['status']:>10}  {result['id']:<34} {result['seconds']:>6.1f} s  {result['description']}"
+                  + (f"  [by {caught}]" if caught else ""), flush=True)
             results.append(result)
     summary = summarize(results)
     report_dir = pathlib.Path(args.report)

@@ -30,6 +30,7 @@ def test_sample_mutant_is_killed(mutant):
     assert result["status"] == "killed", (
         f"{mutant.id} ({mutant.description}): {result['status']} after {result['seconds']} s; "
         f"the gate no longer catches this bug. Last lines: {result['detail']}")
+    assert result["killed_by"] and all(f"[{mutant.family}-" in t for t in result["killed_by"]), result
 
 
 def test_sample_is_small_and_spans_kernels():
@@ -126,3 +127,14 @@ def test_a_run_stopped_by_x_under_xdist_is_a_kill_and_other_crashes_are_invalid(
     assert mutation.verdict(2, "ERROR collecting tests/gate/test_gate.py", None) == "invalid"
     assert mutation.verdict(0, "9 passed", None) == "survived"
     assert mutation.verdict(0, "9 passed", "no observable difference") == "equivalent"
+
+
+def test_the_tests_that_caught_a_mutant_are_read_from_the_summary():
+    output = ("tests/gate/test_gate.py F.\n"
+              "FAILED tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-coverage] - Assert\n"
+              "FAILED tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-drawn]\n"
+              "1 failed, 3 passed\n")
+    assert mutation.failed_tests(output) == [
+        "tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-coverage]",
+        "tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-drawn]"]
+    assert mutation.failed_tests("9 passed") == []
