@@ -20,7 +20,7 @@ from attncheck.specs.base import coverage_examples
 pytestmark = pytest.mark.gate
 
 
-def test_kernel_matches_oracle(gate_target, attncheck_record, attncheck_stop_point):
+def test_kernel_matches_oracle(request, gate_target, attncheck_record, attncheck_stop_point):
     spec, impl_name, ref, backend_name, part = gate_target
     impl = resolve_impl(ref)
     backend = backends.BACKENDS[backend_name]
@@ -36,9 +36,16 @@ def test_kernel_matches_oracle(gate_target, attncheck_record, attncheck_stop_poi
         return outcome
 
     # The simplest case of every bug class, so that no class goes unexercised by the luck
-    # of the draw. All of them run, and every failing one is reported.
+    # of the draw. All of them run and every failing one is reported, unless the run is to
+    # stop early (-x, --maxfail): then the first failing case ends the test.
     if part == gate.COVERAGE:
-        failures = [o.summary() for o in map(check, coverage_examples(spec)) if o.failures]
+        failures = []
+        for case in coverage_examples(spec):
+            outcome = check(case)
+            if outcome.failures:
+                failures.append(outcome.summary())
+                if request.config.getoption("maxfail"):
+                    break
         assert not failures, "\n\n".join(failures)
         return
 

@@ -174,3 +174,16 @@ def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, vali
                for p in report["problems"]), report["problems"]
     markdown = (gate_dir / "rep" / "report.md").read_text()
     assert markdown.startswith("# attncheck: FAIL") and "Timeout (>5.0s)" in markdown
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_coverage_test_reports_every_failing_case_unless_the_run_stops_at_the_first(gate_dir, pytester, validator,
+                                                                                    stop_early):
+    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"), "-k", "coverage",
+                               *(["-x"] if stop_early else []))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    records = check_report(gate_dir / "rep", validator)["records"]
+    assert {r["outcome"] for r in records} == {"fail"}
+    failing_cases = {r["case_id"] for r in records}
+    # The toy's two coverage classes (causal, bf16) are two examples, both failing.
+    assert len(failing_cases) == (1 if stop_early else 2), failing_cases
