@@ -82,7 +82,9 @@ def _softmax_times_v_bwd(seq_major, residuals, d_out):
 _softmax_times_v.defvjp(_softmax_times_v_fwd, _softmax_times_v_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "masked_rows", "seq_major"))
+# The scale and the soft cap are traced, not static: drawn cases use several values of each,
+# and one compile per value was a third of the baseline's compiles.
+@functools.partial(jax.jit, static_argnames=("masked_rows", "seq_major"))
 def _attention(q, k, v, ab, bias, visible, multiplier=None, *, scale, soft_cap, masked_rows, seq_major=False):
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
@@ -128,7 +130,7 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
     return result
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "masked_rows", "seq_major"))
+@functools.partial(jax.jit, static_argnames=("masked_rows", "seq_major"))
 def _forward_and_grads(q, k, v, ab, bias, visible, multiplier, d_out, *, scale, soft_cap, masked_rows, seq_major):
     """One compiled forward + VJP per shape and configuration (tracing the VJP per case
     was most of the harness's own time)."""

@@ -88,7 +88,8 @@ class BlockwiseFFNSpec(KernelSpec):
         return result
 
     def baseline(self, case, inputs):
-        return _grads(_dense_ffn, ("baseline", _static_key(None, case)), inputs)
+        # Chunking is the kernel's business: one compiled dense FFN serves every chunk size.
+        return _grads(_dense_ffn, "baseline", inputs)
 
     def output_dtypes(self, case):
         dt = S.dtype_of(case["dtype"])
@@ -129,8 +130,10 @@ _JITTED: dict = {}
 
 
 def _grads(call, key, inputs):
-    """Output and gradients of x and every given weight, one compiled function per config."""
+    """Output and gradients of x and every given weight: one jitted function per ``key``
+    and set of given weights (jit itself keys its executables by shape and dtype)."""
     names = [n for n in PARAM_NAMES if n in inputs]
+    key = (key, tuple(names))
     fn = _JITTED.get(key)
     if fn is None:
         def forward_and_grads(x, weights, d_out):
