@@ -77,6 +77,21 @@ def nested_tilings(case: Case) -> list[str]:
             if levels[axis][0] > levels[axis][1] > levels[axis][2]]
 
 
+# Each pass's (q tile, kv tile) sizes. Under causal masking a q tile wider than a kv tile
+# holds rows that see nothing of a kv tile its later rows see: the block skip must test
+# the tile's last query, and the online softmax must carry a row that is fully masked in a
+# later tile. With square tiles no row is ever fully masked inside a visible tile.
+WIDE_Q_PASSES = ("fwd", "dkv", "dq")
+
+
+def wide_q_passes(case: Case) -> list[str]:
+    blocks = dict(case["blocks"])
+    tiles = {"fwd": (blocks["block_q"], blocks["block_k"]),
+             "dkv": (blocks["block_q_dkv"], blocks["block_k_dkv"]),
+             "dq": (blocks["block_q_dq"], blocks["block_k_dq"])}
+    return [p for p in WIDE_Q_PASSES if tiles[p][0] > tiles[p][1] and case["kv_len"] > tiles[p][1]]
+
+
 @st.composite
 def flash_cases(draw) -> Case:
     q_len = draw(st.sampled_from(SEQ_LENS))
@@ -101,7 +116,9 @@ class FlashSpec(KernelSpec):
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     coverage_classes = ("q_len_ne_kv_len", "causal", "fully_masked_row", "block_boundary_straddle",
                         "multi_block_kv", "single_step_kv", "k_major_gt_k", "bias", "large_logits",
-                        "exact_ties", "bf16", *(f"causal_nested_{a}" for a in NESTED_TILINGS))
+                        "exact_ties", "bf16", "segments_multi_block_kv",
+                        *(f"causal_nested_{a}" for a in NESTED_TILINGS),
+                        *(f"causal_wide_q_{p}" for p in WIDE_Q_PASSES))
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
 
     def cases(self):
@@ -202,8 +219,11 @@ class FlashSpec(KernelSpec):
             tags.add("exact_ties")
         if case["dtype"] == "bfloat16":
             tags.add("bf16")
+        if case["segments"] == "packed" and "multi_block_kv" in tags:
+            tags.add("segments_multi_block_kv")
         if case["causal"]:
             tags.update(f"causal_nested_{a}" for a in nested_tilings(case))
+            tags.update(f"causal_wide_q_{p}" for p in wide_q_passes(case))
         return sorted(tags)
 
     def seq_len(self, case):
