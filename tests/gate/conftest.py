@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from attncheck import backends, gate, scheduling, specs
+from attncheck.specs.base import coverage_examples
 
 
 def selected_specs(config) -> list:
@@ -20,7 +21,8 @@ def selected_specs(config) -> list:
 
 
 def gate_targets(config) -> list:
-    """(spec, implementation name, implementation reference, backend, part) params."""
+    """(spec, implementation name, implementation reference, backend, part, coverage share)
+    params; the coverage examples are searched here, once per process (cached)."""
     chosen = backends.parse_backend_option(config.getoption("--attncheck-backend"))
     overrides = specs.parse_impl_overrides(config.getoption("--attncheck-impl"))
     params = []
@@ -32,12 +34,17 @@ def gate_targets(config) -> list:
                     continue
                 reason = backends.BACKENDS[name].unavailable_reason()
                 marks = [pytest.mark.skip(reason=f"backend {name} unavailable: {reason}")] if reason else []
-                first = name == spec.backends[0] and spec.coverage_classes
-                parts = (gate.COVERAGE, gate.DRAWN) if first else (gate.DRAWN,)
-                for part in parts:
-                    fail_fast = [getattr(pytest.mark, scheduling.FAIL_FAST_MARKER)] if part == gate.COVERAGE else []
-                    params.append(pytest.param((spec, impl_name, ref, name, part), marks=[*marks, *fail_fast],
-                                               id=f"{spec.name}-{impl_name}-{name}-{part}"))
+                target = f"{spec.name}-{impl_name}-{name}"
+                if name == spec.backends[0] and spec.coverage_classes:
+                    shares = gate.coverage_shares(len(coverage_examples(spec)))
+                    for index, count in shares:
+                        suffix = "" if count == 1 else f"{index + 1}of{count}"
+                        params.append(pytest.param(
+                            (spec, impl_name, ref, name, gate.COVERAGE, (index, count)),
+                            marks=[*marks, getattr(pytest.mark, scheduling.FAIL_FAST_MARKER)],
+                            id=f"{target}-{gate.COVERAGE}{suffix}"))
+                params.append(pytest.param((spec, impl_name, ref, name, gate.DRAWN, None), marks=marks,
+                                           id=f"{target}-{gate.DRAWN}"))
     return params
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gate
 
 
 def test_kernel_matches_oracle(request, gate_target, attncheck_record, attncheck_stop_point):
-    spec, impl_name, ref, backend_name, part = gate_target
+    spec, impl_name, ref, backend_name, part, share = gate_target
     impl = resolve_impl(ref)
     backend = backends.BACKENDS[backend_name]
     recorded = set()  # hypothesis replays a failing example: record each case once
@@ -40,7 +40,7 @@ def test_kernel_matches_oracle(request, gate_target, attncheck_record, attncheck
     # stop early (-x, --maxfail): then the first failing case ends the test.
     if part == gate.COVERAGE:
         failures = []
-        for case in coverage_examples(spec):
+        for case in gate.coverage_share(coverage_examples(spec), share):
             outcome = check(case)
             if outcome.failures:
                 failures.append(outcome.summary())
@@ -55,6 +55,7 @@ def test_kernel_matches_oracle(request, gate_target, attncheck_record, attncheck
     @given(case=spec.cases())
     def drawn(case):
         assume(case.id not in covered)  # the coverage test runs those already
+        assume(backend.runs_devices(spec.device_count(case)))
         outcome = check(case)
         assert not outcome.failures, outcome.summary()
 

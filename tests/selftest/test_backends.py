@@ -105,10 +105,12 @@ def test_interpret_backend_poisons_uninitialised_scratch():
     assert np.isnan(out).all()
 
 
-def test_two_simulated_cores_only_up_to_the_device_limit():
+def test_hazard_checks_refuse_more_devices_than_their_limit_by_name():
     hazards = backends.BACKENDS["interpret-hazards"]
-    two_core_seed = next(s for s in range(8) if hazards.settings(s)["num_cores_or_threads"] == 2)
-    limit = backends.MAX_DEVICES_WITH_SIMULATED_CORES
-    assert hazards.settings(two_core_seed, devices=limit)["num_cores_or_threads"] == 2
-    wide = hazards.settings(two_core_seed, devices=2 * limit)
-    assert wide["num_cores_or_threads"] == 1 and wide["detect_races"]
+    limit = backends.MAX_HAZARD_DEVICES
+    assert hazards.runs_devices(limit) and not hazards.runs_devices(limit + 1)
+    assert hazards.settings(0, devices=limit)["detect_races"]
+    with pytest.raises(ValueError, match=rf"interpret-hazards runs cases on at most {limit} devices; "
+                                         rf"this case needs {2 * limit}"):
+        hazards.settings(0, devices=2 * limit)
+    assert backends.BACKENDS["interpret"].runs_devices(8)

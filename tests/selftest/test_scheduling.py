@@ -87,3 +87,14 @@ def test_a_gate_test_skips_its_remaining_cases_once_the_run_stopped(tmp_path):
     pytest_plugin._stop_file(config).touch()
     with pytest.raises(pytest.skip.Exception, match=r"the run stopped at --maxfail=1"):
         check()
+
+
+@pytest.mark.parametrize("examples", [0, 1, 4, 5, 15, 17])
+def test_coverage_shares_split_the_examples_into_small_contiguous_tests_without_loss(examples):
+    from attncheck import gate
+
+    cases = list(range(examples))
+    shares = [gate.coverage_share(cases, share) for share in gate.coverage_shares(examples)]
+    assert [c for share in shares for c in share] == cases  # each example once, in order
+    assert all(len(share) <= gate.COVERAGE_EXAMPLES_PER_TEST for share in shares)
+    assert len(shares) == max(1, -(-examples // gate.COVERAGE_EXAMPLES_PER_TEST))
