@@ -60,8 +60,8 @@ def ring_cases(draw, family: str, per_device_lens: tuple[int, ...], head_dim: in
 class RingSpec(KernelSpec):
     """One ring variant; subclasses say how to call it."""
 
-    coverage_classes = ("multi_device", "single_device", "ring_of_8", "causal", "segments_cross_devices",
-                        "fully_masked_row", "bias", "bf16", "large_logits", "exact_ties")
+    coverage_classes = ("multi_device", "single_device", "ring_of_8", "causal", "causal_ring",
+                        "segments_cross_devices", "fully_masked_row", "bias", "bf16", "large_logits", "exact_ties")
     head_dim = 32
     per_device_lens = (16, 32)
     max_tokens = 256
@@ -160,6 +160,11 @@ class RingSpec(KernelSpec):
             tags.add("ring_of_8")
         if case["causal"]:
             tags.add("causal")
+            # Non-causal attention does not care in which order kv blocks arrive, and a ring
+            # of 2 cannot rotate the wrong way: only global causal positions on a ring of 3+
+            # tell whether the block a device holds at step s is the one the loop assumes.
+            if case["devices"] > 2:
+                tags.add("causal_ring")
         starts = case["segment_starts"]
         if case["segments"] != "none" and any(s % case["per_device"] for s in starts[1:]):
             tags.add("segments_cross_devices")
