@@ -96,7 +96,7 @@ class RaggedSpec(KernelSpec):
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     coverage_classes = ("decode", "chunked_prefill", "full_prefill", "zero_length_seq", "num_seqs_lt_max",
                         "kv_len_not_page_multiple", "pages_per_seq_not_block_multiple", "nan_padding",
-                        "shuffled_pages", "gqa", "window_lt_block", "window_gt_kv_len", "soft_cap",
+                        "shuffled_pages", "gqa", "window_lt_block", "window_gt_kv_len", "window_clips_keys", "soft_cap",
                         "kv_scales", "bf16", "packed_kv", "q_len_ne_kv_len")
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
 
@@ -234,6 +234,10 @@ class RaggedSpec(KernelSpec):
             tags.add("window_lt_block")
         if window is not None and window > max(k for _, k in seqs):
             tags.add("window_gt_kv_len")
+        # Some query has a key exactly `window` positions back, which the window must hide:
+        # without it the window's boundary (< vs <=) is never tested.
+        if window is not None and any(k > window for q, k in seqs if q):
+            tags.add("window_clips_keys")
         if case["soft_cap"] is not None:
             tags.add("soft_cap")
         if case["k_scale"] is not None:
