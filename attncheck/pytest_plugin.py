@@ -180,12 +180,14 @@ class MaxfailStop:
         self.failed = 0
 
     def pytest_runtest_logreport(self, report):
+        if not report.failed:
+            return
+        self.failed += 1
         maxfail = self.config.getoption("maxfail")
-        if report.failed:
-            self.failed += 1
-            if maxfail and self.failed >= maxfail:
-                _stop_file(self.config).parent.mkdir(parents=True, exist_ok=True)
-                _stop_file(self.config).touch()
+        if maxfail and self.failed >= maxfail:
+            stop = _stop_file(self.config)
+            stop.parent.mkdir(parents=True, exist_ok=True)
+            stop.touch()
 
 
 @pytest.fixture
