@@ -113,7 +113,6 @@ def pytest_configure(config):
     config._attncheck_started = time.time()
     config._attncheck_durations = DurationRecorder()
     config.pluginmanager.register(config._attncheck_durations, "attncheck-durations")
-    config.pluginmanager.register(MaxfailStop(config), "attncheck-maxfail-stop")
     # xdist's default hands each worker a quarter of its share up front, which undoes the
     # longest-first order; one test at a time keeps it.
     if getattr(config.option, "maxschedchunk", 0) is None:
@@ -166,28 +165,31 @@ def _stop_file(config) -> pathlib.Path:
 
 
 class MaxfailStop:
-    """Controller-side: once the run has reached ``--maxfail`` (``-x``), says so in a file
-    the workers look for before each case.
+    """Controller-side: once pytest's session has reached ``--maxfail`` (``-x``), says so
+    in a file the workers look for before each case.
 
     xdist stops handing out tests at the first failure, but every worker still finishes
     the tests it already holds, a drawn test minutes long among them: measured, a planted
     bug reported 55 s into the run ended it only after 208 s. The gate's tests skip
-    their remaining cases when the file exists (``attncheck_stop_point``).
+    their remaining cases when the file exists (``attncheck_stop_point``). The counting is
+    pytest's own (``Session.shouldfail``, set by its tryfirst logreport hook, which sees
+    the reports xdist relays); this hook runs after it.
     """
 
-    def __init__(self, config):
-        self.config = config
-        self.failed = 0
+    def __init__(self, session):
+        self.session = session
 
+    @pytest.hookimpl(trylast=True)
     def pytest_runtest_logreport(self, report):
-        if not report.failed:
-            return
-        self.failed += 1
-        maxfail = self.config.getoption("maxfail")
-        if maxfail and self.failed >= maxfail:
-            stop = _stop_file(self.config)
+        if self.session.shouldfail:
+            stop = _stop_file(self.session.config)
             stop.parent.mkdir(parents=True, exist_ok=True)
             stop.touch()
+
+
+def pytest_sessionstart(session):
+    if not _is_worker(session.config):
+        session.config.pluginmanager.register(MaxfailStop(session), "attncheck-maxfail-stop")
 
 
 @pytest.fixture
