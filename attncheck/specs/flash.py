@@ -77,6 +77,13 @@ def nested_tilings(case: Case) -> list[str]:
             if levels[axis][0] > levels[axis][1] > levels[axis][2]]
 
 
+def pass_tiles(case: Case) -> tuple[tuple[int, int], ...]:
+    """Each pass's (q tile, kv block) as its grid fetches them: fwd, dkv, dq."""
+    blocks = dict(case["blocks"])
+    return ((blocks["block_q"], blocks["block_k_major"]), (blocks["block_q_major_dkv"], blocks["block_k_major_dkv"]),
+            (blocks["block_q_dq"], blocks["block_k_major_dq"]))
+
+
 # Each pass's (q tile, kv tile) sizes. Under causal masking a q tile wider than a kv tile
 # holds rows that see nothing of a kv tile its later rows see: the block skip must test
 # the tile's last query, and the online softmax must carry a row that is fully masked in a
@@ -88,6 +95,33 @@ def q_tiles_wider_than_kv_tiles(case: Case) -> bool:
     tiles = ((blocks["block_q"], blocks["block_k"]), (blocks["block_q_dkv"], blocks["block_k_dkv"]),
              (blocks["block_q_dq"], blocks["block_k_dq"]))
     return all(q_tile > kv_tile and case["kv_len"] > kv_tile for q_tile, kv_tile in tiles)
+
+
+def causal_skips_in_every_pass(case: Case) -> bool:
+    """Some (q tile, kv block) step lies wholly above the diagonal in each pass: the
+    kernel skips it, and every operand and output index map must agree with the skip
+    (a bias or d_ab map that follows the clamped kv index reads or writes a real block)."""
+    # Top-left causal: the likeliest skip is the first q tile (last query q_tile - 1)
+    # against the last kv block (first key kv_len - kv_block).
+    return case["causal"] and all(case["kv_len"] - kv_block > q_tile - 1 for q_tile, kv_block in pass_tiles(case))
+
+
+def _varies_across_tiles(ids: np.ndarray, tile: int) -> bool:
+    tiles = ids.reshape(-1, tile)
+    return bool((tiles != tiles[0]).any())
+
+
+def segments_vary_across_tiles(case: Case) -> bool:
+    """In every pass, some q tile holds other segment ids than the first q tile, and some
+    kv block other ids than the first kv block: a segment-id index map that fetches the
+    wrong tile changes the mask only then."""
+    if case["segments"] != "packed":
+        return False
+    starts = case["segment_starts"]
+    q_ids = S.segment_ids_from_layout(starts, case["q_len"])
+    kv_ids = S.segment_ids_from_layout(starts, case["kv_len"])
+    return all(_varies_across_tiles(q_ids, q_tile) and _varies_across_tiles(kv_ids, kv_block)
+               for q_tile, kv_block in pass_tiles(case))
 
 
 @st.composite
@@ -114,8 +148,8 @@ class FlashSpec(KernelSpec):
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     coverage_classes = ("q_len_ne_kv_len", "causal", "fully_masked_row", "block_boundary_straddle",
                         "multi_block_kv", "single_step_kv", "k_major_gt_k", "bias", "large_logits",
-                        "exact_ties", "bf16", "segments_multi_block_kv",
-                        "causal_wide_q", *(f"causal_nested_{a}" for a in NESTED_TILINGS))
+                        "exact_ties", "bf16", "segments_vary_across_tiles", "causal_wide_q",
+                        "causal_bias_skipped_blocks", *(f"causal_nested_{a}" for a in NESTED_TILINGS))
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
 
     def cases(self):
@@ -216,12 +250,14 @@ class FlashSpec(KernelSpec):
             tags.add("exact_ties")
         if case["dtype"] == "bfloat16":
             tags.add("bf16")
-        if case["segments"] == "packed" and "multi_block_kv" in tags:
-            tags.add("segments_multi_block_kv")
+        if segments_vary_across_tiles(case):
+            tags.add("segments_vary_across_tiles")
         if case["causal"]:
             tags.update(f"causal_nested_{a}" for a in nested_tilings(case))
             if q_tiles_wider_than_kv_tiles(case):
                 tags.add("causal_wide_q")
+            if case["bias"] and causal_skips_in_every_pass(case):
+                tags.add("causal_bias_skipped_blocks")
         return sorted(tags)
 
     def seq_len(self, case):
