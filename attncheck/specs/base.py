@@ -11,7 +11,11 @@ import functools
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
+import os
+import pathlib
+import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -171,13 +175,73 @@ def coverage_examples(spec: KernelSpec) -> list[Case]:
     return _coverage_examples(spec.name)
 
 
+# The search takes 6-7 s over the built-in families, and every xdist worker and every
+# mutant's gate repeated it at collection, before its first test. Its result depends only
+# on the spec's and attncheck's source and on hypothesis, so it is kept on disk under a
+# hash of them. "none" turns the cache off.
+COVERAGE_CACHE_ENV = "ATTNCHECK_CACHE_DIR"
+DEFAULT_CACHE_DIR = ".attncheck_cache"
+CACHE_DISABLED = "none"
+_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def coverage_cache_dir() -> pathlib.Path | None:
+    chosen = os.environ.get(COVERAGE_CACHE_ENV) or DEFAULT_CACHE_DIR
+    return None if chosen == CACHE_DISABLED else pathlib.Path(chosen).resolve() / "coverage"
+
+
+def coverage_search_key(spec: KernelSpec) -> str:
+    """A hash of everything the search reads: attncheck's source (strategies, built-in
+    specs), the spec's own module, hypothesis' version and the classes asked for."""
+    import hypothesis
+
+    digest = hashlib.sha256(f"{hypothesis.__version__}|{spec.name}|{spec.coverage_classes}".encode())
+    sources = sorted(_PACKAGE_ROOT.rglob("*.py")) + [pathlib.Path(inspect.getfile(type(spec))).resolve()]
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _load_cached(path: pathlib.Path, spec: KernelSpec) -> list[Case] | None:
+    """The cached examples, or None when absent, unreadable or no longer covering every
+    class (a spec helper outside the hashed files changed): the search then runs again."""
+    try:
+        cases = [Case.from_json(c) for c in json.loads(path.read_text())]
+        if any(c.family != spec.name for c in cases):
+            return None
+        exercised = {cls for case in cases for cls in spec.classes(case)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cases if exercised >= set(spec.coverage_classes) else None
+
+
+def _store(path: pathlib.Path, cases: list[Case]) -> None:
+    # Written whole then renamed: two workers searching at once never leave half a file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        json.dump([c.to_json() for c in cases], tmp)
+    os.replace(tmp.name, path)
+
+
 @functools.cache
 def _coverage_examples(family: str) -> list[Case]:
-    from hypothesis import HealthCheck, Phase, find, settings
-
     from attncheck.specs import all_specs
 
     spec = all_specs()[family]
+    directory = coverage_cache_dir()
+    path = None if directory is None else directory / f"{family}-{coverage_search_key(spec)}.json"
+    cached = None if path is None else _load_cached(path, spec)
+    if cached is not None:
+        return cached
+    found = search_coverage_examples(spec)
+    if path is not None:
+        _store(path, found)
+    return found
+
+
+def search_coverage_examples(spec: KernelSpec) -> list[Case]:
+    from hypothesis import HealthCheck, Phase, find, settings
+
     search = settings(database=None, derandomize=True, max_examples=3000, deadline=None,
                       phases=(Phase.generate, Phase.shrink),
                       suppress_health_check=list(HealthCheck))
