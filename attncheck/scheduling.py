@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import statistics
 
 DEFAULT_FILE = pathlib.Path("tests") / "durations.json"
 REPORT_FILE = "durations.json"
@@ -36,13 +37,21 @@ FAIL_FAST_MARKER = "attncheck_fail_fast"
 def run_order(items: list, durations: dict[str, float]) -> list:
     """Tests marked fail-fast first, shortest first: under ``pytest -x`` the time to the
     first failure is what counts, and the cheap families' simplest cases are where most
-    bugs show. Then every other test by recorded duration, longest first, so that the
-    tail of the run is short tests only; a test with no record yet counts as longest (it
-    may be long, and a long test must not be the one left at the end). Stable, so equal
-    keys keep collection order."""
+    bugs show. A fail-fast test with no record yet counts as the median of those that have
+    one: they are alike in size (a few coverage examples each), and a renumbered coverage
+    split must not push a whole family's coverage behind every other family's. Then every
+    other test by recorded duration, longest first, so that the tail of the run is short
+    tests only; one with no record counts as longest (it may be long, and a long test must
+    not be the one left at the end). Stable, so equal keys keep collection order."""
+    def fail_fast(item):
+        return item.get_closest_marker(FAIL_FAST_MARKER) is not None
+
+    known = [durations[i.nodeid] for i in items if fail_fast(i) and i.nodeid in durations]
+    typical_fail_fast = statistics.median(known) if known else 0.0
+
     def key(item):
-        if item.get_closest_marker(FAIL_FAST_MARKER) is not None:
-            return (0, durations.get(item.nodeid, math.inf))
+        if fail_fast(item):
+            return (0, durations.get(item.nodeid, typical_fail_fast))
         return (1, -durations.get(item.nodeid, math.inf))
 
     return sorted(items, key=key)

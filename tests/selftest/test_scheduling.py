@@ -25,6 +25,13 @@ def test_fail_fast_shortest_first_then_longest_first_with_unknown_tests_counted_
     assert order == ["smoke", "slow-smoke", "new", "long", "medium", "same-as-medium", "short"]
 
 
+def test_an_unrecorded_fail_fast_test_counts_as_the_median_fail_fast_test():
+    items = [_item(name, fail_fast=True) for name in ("renumbered", "slow", "fast", "middle", "slowest")]
+    durations = {"fast": 1.0, "middle": 4.0, "slow": 9.0, "slowest": 20.0}  # median 6.5
+    order = [i.nodeid for i in scheduling.run_order(items, durations)]
+    assert order == ["fast", "middle", "renumbered", "slow", "slowest"]
+
+
 def test_without_durations_the_collection_order_stays_apart_from_fail_fast(tmp_path):
     items = [_item("b"), _item("a", fail_fast=True), _item("c")]
     durations = scheduling.load(tmp_path / "missing.json")
