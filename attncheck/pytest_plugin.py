@@ -7,6 +7,7 @@ module imports jax: that is where the host-platform device count must be set.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -220,6 +221,22 @@ def attncheck_record(request, attncheck_writer):
         attncheck_writer.write({**record, "nodeid": request.node.nodeid})
 
     return write
+
+
+@pytest.fixture
+def attncheck_kernel_time(attncheck_writer):
+    """A context manager around kernel calls a test makes itself, outside gate.check_case:
+    the bench counts their time as kernel time instead of harness time."""
+
+    @contextlib.contextmanager
+    def timed():
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            attncheck_writer.write_kernel_time(time.perf_counter() - start)
+
+    return timed
 
 
 @pytest.hookimpl(wrapper=True, optionalhook=True)

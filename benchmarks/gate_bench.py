@@ -6,7 +6,9 @@ reports/bench/n<mode>/, and prints per run: wall time, CPU time of the pytest pr
 cases verified, cases per minute, peak RSS per worker, time each worker spent in cases, and
 the phases summed from the records (inputs, kernel = trace + compile + run, oracle,
 baseline, compare, lowering), per kernel and backend; the harness overhead is everything
-that is not kernel or lowering time. Writes reports/bench/bench.json.
+that is not kernel or lowering time (kernel time includes what the tests that make no
+comparison record measured around their own kernel calls). Writes
+reports/bench/bench.json.
 
     python benchmarks/gate_bench.py [--modes 0,auto] [--output bench.json] [pytest args...]
 """
@@ -21,6 +23,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from attncheck.report import records as rec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "reports" / "bench"
@@ -62,7 +66,9 @@ def run_gate(mode: str, extra: list[str]) -> dict:
                 group[phase] += timings.get(phase, 0.0)
                 if not phase.endswith("_compile_s"):  # part of the phase before it
                     busy[r["worker"]] += timings.get(phase, 0.0)
-    kernel_time = sum(g["kernel_s"] + g["lower_s"] for g in phases.values())
+    # Tests that judge a kernel without a comparison record timed their kernel calls.
+    outside_records = sum(rec.kernel_times_outside_records(report_dir, report["run_id"]))
+    kernel_time = sum(g["kernel_s"] + g["lower_s"] for g in phases.values()) + outside_records
     workers = max(1, len(per_worker_rss))
     cases = report["totals"]["cases"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -76,6 +82,7 @@ def run_gate(mode: str, extra: list[str]) -> dict:
         # Worker-seconds not spent tracing, compiling or running kernels.
         "harness_overhead_share": round(1 - kernel_time / (wall * workers), 3),
         "phase_totals": {p: round(sum(g[p] for g in phases.values()), 1) for p in PHASES},
+        "kernel_s_outside_records": round(outside_records, 1),
         "phases": {k: {p: round(v, 2) for p, v in g.items()} for k, g in sorted(phases.items())},
         "tail": proc.stdout.strip().splitlines()[-1:] if proc.stdout else [],
     }
@@ -94,7 +101,8 @@ def main() -> int:
               f"{r['failures']} failing), {r['cases_per_minute']} cases/min, harness overhead "
               f"{r['harness_overhead_share']:.1%}, peak RSS/worker {r['peak_rss_mb_per_worker']} MB, "
               f"seconds in cases per worker {r['case_seconds_per_worker']}")
-        print("    all kernels    " + "  ".join(f"{p[:-2]} {r['phase_totals'][p]:6.1f}" for p in PHASES))
+        print("    all kernels    " + "  ".join(f"{p[:-2]} {r['phase_totals'][p]:6.1f}" for p in PHASES)
+              + f"  kernel outside records {r['kernel_s_outside_records']:6.1f}")
         for name, phase in r["phases"].items():
             print(f"    {name:<40} " + "  ".join(f"{p[:-2]} {phase.get(p, 0):6.1f}" for p in PHASES)
                   + f"  cases {phase.get('cases', 0):.0f}")

@@ -16,6 +16,16 @@ import time
 
 SCHEMA_VERSION = 1
 RECORDS_DIR = "records"
+# Kernel time a test measured itself because it makes no comparison record (the
+# ``attncheck_kernel_time`` fixture), one number per line in a per-worker file next to the
+# records; the bench counts it as kernel time. Not a junit.xml property: properties of a
+# test case are invalid in the xunit2 format CI systems read.
+KERNEL_TIME_SUFFIX = ".kernel_s"
+
+
+def kernel_times_outside_records(report_dir: pathlib.Path, run_id: str) -> list[float]:
+    files = sorted((pathlib.Path(report_dir) / RECORDS_DIR).glob(f"{run_id}-*{KERNEL_TIME_SUFFIX}"))
+    return [float(line) for f in files for line in f.read_text(encoding="utf-8").split()]
 
 
 class RecordWriter:
@@ -37,6 +47,10 @@ class RecordWriter:
             fh.write(line + "\n")
             fh.flush()
 
+    def write_kernel_time(self, seconds: float) -> None:
+        with open(self.path.with_suffix(KERNEL_TIME_SUFFIX), "a", encoding="utf-8") as fh:
+            fh.write(f"{seconds:.4f}\n")
+
 
 # Another run's record file untouched this long belongs to a finished or dead run. A live
 # run writes at least once per test, and a test times out after 900 s (pyproject.toml).
@@ -54,7 +68,7 @@ def clear_stale_records(report_dir: pathlib.Path, run_id: str) -> None:
     records = pathlib.Path(report_dir) / RECORDS_DIR
     if records.is_dir():
         horizon = time.time() - STALE_AFTER_S
-        for f in records.glob("*.jsonl"):
+        for f in [*records.glob("*.jsonl"), *records.glob(f"*{KERNEL_TIME_SUFFIX}")]:
             if not f.name.startswith(run_id + "-") and f.stat().st_mtime < horizon:
                 f.unlink(missing_ok=True)
 

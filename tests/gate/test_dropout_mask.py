@@ -16,13 +16,19 @@ RATE = 0.25
 SHAPE = (2, 2, 256, 256)  # batch, heads, q, kv
 
 
-def keep_mask(seed, rate=RATE, shape=SHAPE):
+@pytest.fixture
+def keep_mask(attncheck_kernel_time):
+    """The kernel's keep mask of a seed."""
     from kernels.ring_attention import attention_dropout_mask
 
-    return np.asarray(attention_dropout_mask(jax.random.key(seed), rate, *shape)).astype(bool)
+    def make(seed):
+        with attncheck_kernel_time():
+            return np.asarray(attention_dropout_mask(jax.random.key(seed), RATE, *SHAPE)).astype(bool)
+
+    return make
 
 
-def test_keep_rate_matches_one_minus_rate_within_five_sigma():
+def test_keep_rate_matches_one_minus_rate_within_five_sigma(keep_mask):
     keep = keep_mask(0)
     n = keep.size
     sigma = np.sqrt(RATE * (1 - RATE) / n)
@@ -33,7 +39,7 @@ def test_keep_rate_matches_one_minus_rate_within_five_sigma():
         assert np.all(np.abs(per_slice - (1 - RATE)) < 6 * slice_sigma), (axis, per_slice.min(), per_slice.max())
 
 
-def test_masks_differ_across_batch_heads_and_seeds():
+def test_masks_differ_across_batch_heads_and_seeds(keep_mask):
     keep = keep_mask(0)
     agree = lambda a, b: np.mean(a == b)  # noqa: E731  independent masks agree on 1 - 2 r (1 - r) = 62.5%
     expected = 1 - 2 * RATE * (1 - RATE)

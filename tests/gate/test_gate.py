@@ -63,9 +63,9 @@ def test_kernel_matches_oracle(request, gate_target, attncheck_record, attncheck
     (drawn if fixed is None else seed(fixed)(drawn))()
 
 
-def test_invalid_input_is_rejected_clearly(gate_invalid):
+def test_invalid_input_is_rejected_clearly(gate_invalid, attncheck_kernel_time):
     invalid = gate_invalid
-    with backends.BACKENDS["interpret"].context():
+    with backends.BACKENDS["interpret"].context(), attncheck_kernel_time():
         with pytest.raises(invalid.error) as info:
             invalid.call()
     assert re.search(invalid.match, str(info.value)), (

@@ -20,13 +20,14 @@ CHECKED_ROWS = 64
 HEAD_DIM = 8
 
 
-def test_causal_ring_attention_past_int16_positions():
+def test_causal_ring_attention_past_int16_positions(attncheck_kernel_time):
     from kernels.ring_attention import ring_attention_sharded
 
     rng = np.random.default_rng(0)
     q, k, v = (S.round_to(rng.standard_normal((1, SEQ, 1, HEAD_DIM)), np.float32) for _ in range(3))
-    out = np.asarray(ring_attention_sharded(q, k, v, num_devices=2, causal=True, query_chunk_size=1024,
-                                            key_chunk_size=1024))
+    with attncheck_kernel_time():
+        out = np.asarray(ring_attention_sharded(q, k, v, num_devices=2, causal=True, query_chunk_size=1024,
+                                                key_chunk_size=1024))
     rows = np.arange(SEQ - CHECKED_ROWS, SEQ)
     head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
     q_rows = head_major(q)[:, :, rows]

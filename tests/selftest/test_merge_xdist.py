@@ -95,6 +95,9 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
         durations = scheduling.load(gate_dir / report_name / scheduling.REPORT_FILE)
         assert all(durations[r["nodeid"]] > 0 for r in records)
         assert len(durations) == 2 * len(toy_spec.SPEC.default_impls) + INVALID_TESTS
+        # Each invalid-input test timed its kernel call itself, whichever worker ran it.
+        kernel_times = rec.kernel_times_outside_records(gate_dir / report_name, report["run_id"])
+        assert len(kernel_times) == INVALID_TESTS and all(t >= 0 for t in kernel_times)
     assert comparisons(reports["0"]) == comparisons(reports["2"]) == comparisons(reports["auto"])
     # The runs did not mix: three run ids, each report holding only its own.
     assert len({r["run_id"] for r in reports.values()}) == 3
