@@ -50,7 +50,7 @@ class BlockwiseFFNSpec(KernelSpec):
     name = FAMILY
     default_impls = {"builtin": "kernels.blockwise_ffn:blockwise_ffn"}
     backends = ("xla",)
-    coverage_classes = ("single_chunk", "multi_chunk", "bf16", "large_values", "no_bias")
+    coverage_classes = ("single_chunk", "multi_chunk", "bf16", "large_values", "no_bias", "biases")
     examples = {"xla": 64}
 
     def cases(self):
@@ -101,8 +101,7 @@ class BlockwiseFFNSpec(KernelSpec):
             tags.add("bf16")
         if case["values"] == "large":
             tags.add("large_values")
-        if not case["biases"]:
-            tags.add("no_bias")
+        tags.add("biases" if case["biases"] else "no_bias")
         return sorted(tags)
 
     def index_names(self, direction):

@@ -12,6 +12,8 @@ page-table slots and in the metadata of sequences past num_seqs. Output rows pas
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
@@ -82,6 +84,39 @@ def ragged_cases(draw) -> Case:
         padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large"))))
 
 
+def some_query_sees_several_keys(case: Case) -> bool:
+    # A sequence's last query sees min(window, kv_len) keys (bottom-right causal).
+    window = case["sliding_window"] or math.inf
+    return any(q_len and min(window, kv_len) >= 2 for q_len, kv_len in case["seqs"])
+
+
+def seqs_share_a_q_block(case: Case) -> bool:
+    """Some sequence's first query token lies in the q block of the previous sequence's
+    last one (block size as asked for; the kernel's default depends on the shapes)."""
+    block = case["num_queries_per_block"]
+    starts = np.cumsum([0] + [q_len for q_len, _ in case["seqs"]])[:-1]
+    boundaries = [start for start, (q_len, _) in zip(starts, case["seqs"]) if q_len][1:]
+    return block is not None and any(b % block for b in boundaries)
+
+
+def expected_max_rises(case: Case, block_tokens: int) -> float:
+    """How many (query row, kv block after its first) steps raise the running max, on
+    average over exchangeable logits: a block adding n keys to m seen before raises it with
+    probability n / (n + m). Few expected rises and a fixed seed may well draw none."""
+    window = case["sliding_window"] or math.inf
+    rises = 0.0
+    for q_len, kv_len in case["seqs"]:
+        for pos in range(kv_len - q_len, kv_len):
+            first = int(max(0, pos + 1 - window))
+            seen = 0
+            for block_start in range(first - first % block_tokens, pos + 1, block_tokens):
+                new = min(pos + 1, block_start + block_tokens) - max(first, block_start)
+                if seen:
+                    rises += new / (seen + new)
+                seen += new
+    return rises * case["num_q_heads"]
+
+
 def _poison(dtype) -> float:
     """What unread memory holds: NaN where the dtype has one, else its largest value."""
     dtype = np.dtype(dtype)
@@ -97,7 +132,8 @@ class RaggedSpec(KernelSpec):
     coverage_classes = ("decode", "chunked_prefill", "full_prefill", "zero_length_seq", "num_seqs_lt_max",
                         "kv_len_not_page_multiple", "pages_per_seq_not_block_multiple", "nan_padding",
                         "shuffled_pages", "gqa", "window_lt_block", "window_gt_kv_len", "window_clips_keys", "soft_cap",
-                        "kv_scales", "bf16", "packed_kv", "q_len_ne_kv_len")
+                        "kv_scales", "bf16", "packed_kv", "q_len_ne_kv_len", "softmax_spans_kv_blocks",
+                        "seqs_share_q_block")
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
 
     def cases(self):
@@ -229,6 +265,15 @@ class RaggedSpec(KernelSpec):
             tags.add("pages_per_seq_not_block_multiple")
         if case["num_q_heads"] > case["num_kv_heads"]:
             tags.add("gqa")
+        # The online softmax rescales its normaliser and accumulator only where the running
+        # max rises in a later kv block; several queries also put early ones fully masked
+        # in a block their later ones see.
+        if any(q_len >= 2 for q_len, _ in seqs) and expected_max_rises(case, block_pages * page_size) >= 3:
+            tags.add("softmax_spans_kv_blocks")
+        # A grid step owns a block of consecutive query tokens: where two sequences share
+        # one, the softmax state must restart at the sequence boundary, not the step's.
+        if seqs_share_a_q_block(case):
+            tags.add("seqs_share_q_block")
         window = case["sliding_window"]
         if window is not None and window < block_pages * page_size:
             tags.add("window_lt_block")
@@ -238,14 +283,18 @@ class RaggedSpec(KernelSpec):
         # without it the window's boundary (< vs <=) is never tested.
         if window is not None and any(k > window for q, k in seqs if q):
             tags.add("window_clips_keys")
-        if case["soft_cap"] is not None:
-            tags.add("soft_cap")
-        if case["k_scale"] is not None:
-            tags.add("kv_scales")
-        if case["dtype"] == "bfloat16":
-            tags.add("bf16")
-        if case["kv_dtype"] not in S.DTYPES:
-            tags.add("packed_kv")
+        # What changes the logits (soft cap, k scale and dequantization, bf16 rounding of
+        # scores) shows only where a softmax spans several keys: over one key it is 1
+        # whatever the logit, so a decode step on a 1-token sequence cannot tell them apart.
+        if some_query_sees_several_keys(case):
+            if case["soft_cap"] is not None:
+                tags.add("soft_cap")
+            if case["k_scale"] is not None:
+                tags.add("kv_scales")
+            if case["dtype"] == "bfloat16":
+                tags.add("bf16")
+            if case["kv_dtype"] not in S.DTYPES:
+                tags.add("packed_kv")
         return sorted(tags)
 
     def seq_len(self, case):

@@ -170,6 +170,12 @@ class RingSpec(KernelSpec):
             tags.add("segments_cross_devices")
         if case["segments"] == "absent":
             tags.add("fully_masked_row")
+        # A query whose segment starts past its device's first key chunk sees nothing of
+        # that chunk, the first one computed for it: its running max is still -inf there,
+        # and only a guarded online softmax survives to the keys it does see.
+        if case["segments"] == "packed" and case.get("key_chunk_size") and any(
+                s % case["per_device"] >= case["key_chunk_size"] for s in starts[1:]):
+            tags.add("segment_after_first_key_chunk")
         if case["bias"] != "none":
             tags.add("bias")
         if case["dtype"] == "bfloat16":
@@ -257,7 +263,7 @@ class BlockwiseRingSpec(RingSpec):
     backends = ("xla",)
     chunked = True
     examples = {"xla": 60}
-    coverage_classes = RingSpec.coverage_classes + ("dropout",)
+    coverage_classes = RingSpec.coverage_classes + ("dropout", "segment_after_first_key_chunk")
 
     def inputs(self, case):
         out = super().inputs(case)

@@ -1,0 +1,81 @@
+"""The conditions behind coverage classes that exist because a simpler example could not
+show a bug class (each was found by a planted bug that only a drawn case caught)."""
+
+from __future__ import annotations
+
+import pytest
+
+from attncheck.specs import all_specs, flash, make_case, ragged
+
+
+def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None):
+    return make_case(ragged.FAMILY, 0, seqs=seqs, sliding_window=window, num_q_heads=heads,
+                     num_queries_per_block=queries_per_block)
+
+
+@pytest.mark.parametrize("seqs, window, heads, rises", [
+    (((1, 8),), None, 1, 0.0),  # one block: nothing to rescale
+    (((1, 16),), None, 1, 8 / 16),  # the last query's second block adds 8 keys to 8
+    (((9, 9),), None, 2, 2 * 1 / 9),  # only query 8 reaches the second block: 1 key after 8
+    (((1, 16),), 8, 1, 0.0),  # the window leaves the last query one block
+    (((1, 12),), 8, 1, 4 / 8),  # window keys 4..11: 4 in the first block, 4 more in the second
+])
+def test_expected_max_rises_counts_the_blocks_after_the_first_a_row_sees(seqs, window, heads, rises):
+    assert ragged.expected_max_rises(ragged_case(seqs, window=window, heads=heads), 8) == pytest.approx(rises)
+
+
+@pytest.mark.parametrize("seqs, block, shared", [
+    (((1, 1), (1, 1)), 8, True),
+    (((8, 8), (1, 1)), 8, False),  # the second sequence starts a block of its own
+    (((1, 1), (0, 0), (1, 1)), 8, True),  # an empty sequence between does not separate them
+    (((1, 1), (1, 1)), None, False),  # the kernel's default block is not known here
+    (((3, 3),), 8, False),
+])
+def test_seqs_share_a_q_block(seqs, block, shared):
+    assert ragged.seqs_share_a_q_block(ragged_case(seqs, queries_per_block=block)) is shared
+
+
+@pytest.mark.parametrize("seqs, window, several", [
+    (((1, 1),), None, False),  # a 1-token decode: softmax over one key is 1
+    (((1, 2),), None, True),
+    (((1, 2),), 1, False),
+    (((0, 5), (1, 1)), None, False),  # the long sequence has no query
+])
+def test_logit_classes_need_a_softmax_over_several_keys(seqs, window, several):
+    assert ragged.some_query_sees_several_keys(ragged_case(seqs, window=window)) is several
+
+
+def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks):
+    sizes = {name: 1 if name == "block_b" else 128 for name in flash.BLOCK_FIELDS} | blocks
+    return make_case(flash.FAMILY, 0, q_len=q_len, kv_len=kv_len, causal=causal, bias=True,
+                     segments="packed" if segment_starts else "none", segment_starts=segment_starts,
+                     blocks=tuple(sizes.items()))
+
+
+def test_causal_skips_in_every_pass_needs_a_kv_block_past_the_first_q_tile_in_each():
+    assert flash.causal_skips_in_every_pass(flash_case(128, 256))
+    assert not flash.causal_skips_in_every_pass(flash_case(128, 256, causal=False))
+    assert not flash.causal_skips_in_every_pass(flash_case(128, 128))
+    # The dq pass fetches all of kv at once: nothing to skip there.
+    assert not flash.causal_skips_in_every_pass(flash_case(128, 256, block_k_major_dq=256))
+    # A first q tile of 256 rows sees the last kv block starting at 128.
+    assert not flash.causal_skips_in_every_pass(flash_case(256, 256, block_q_major_dkv=256))
+
+
+def test_segments_vary_across_tiles_in_every_pass():
+    assert flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1)))
+    assert not flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0,)))
+    # A boundary on a tile edge: the second tile holds other ids than the first.
+    assert flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 128)))
+    # One kv block in the forward pass: the forward's kv segment map is not tested.
+    assert not flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1), block_k_major=256))
+
+
+def test_ring_segment_after_first_key_chunk():
+    spec = all_specs()["ring_attention"]
+    base = dict(dtype="float32", devices=1, seq_len=16, per_device=16, heads=1, head_dim=32, causal=False,
+                bias="none", segments="packed", float32_logits=False, values="normal", query_chunk_size=8,
+                key_chunk_size=8, dropout_rate=0.0)
+    assert "segment_after_first_key_chunk" in spec.classes(make_case(spec.name, 0, **base, segment_starts=(0, 8)))
+    assert "segment_after_first_key_chunk" not in spec.classes(make_case(spec.name, 0, **base,
+                                                                         segment_starts=(0, 7)))
