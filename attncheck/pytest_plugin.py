@@ -100,7 +100,8 @@ def report_dir(config) -> pathlib.Path:
 def pytest_configure(config):
     from attncheck import specs
 
-    config.addinivalue_line("markers", f"{scheduling.FAIL_FAST_MARKER}: runs before the other tests")
+    config.addinivalue_line("markers", f"{scheduling.FAIL_FAST_MARKER}(lead=False): runs before the other tests "
+                                       "(lead: before the other fail-fast tests)")
     if config.getoption("--attncheck-only-spec"):
         specs.SPEC_MODULES.clear()
     specs.add_spec_modules(config.getoption("--attncheck-spec"))

@@ -41,7 +41,7 @@ def gate_targets(config) -> list:
                         suffix = "" if count == 1 else f"{index + 1}of{count}"
                         params.append(pytest.param(
                             (spec, impl_name, ref, name, gate.COVERAGE, (index, count)),
-                            marks=[*marks, getattr(pytest.mark, scheduling.FAIL_FAST_MARKER)],
+                            marks=[*marks, getattr(pytest.mark, scheduling.FAIL_FAST_MARKER)(lead=index == 0)],
                             id=f"{target}-{gate.COVERAGE}{suffix}"))
                 params.append(pytest.param((spec, impl_name, ref, name, gate.DRAWN, None), marks=marks,
                                            id=f"{target}-{gate.DRAWN}"))

@@ -10,23 +10,25 @@ import pytest
 from attncheck import compile_cache, scheduling
 
 
-def _item(nodeid: str, fail_fast: bool = False):
-    marker = object() if fail_fast else None
+def _item(nodeid: str, fail_fast: bool = False, lead: bool = False):
+    marker = types.SimpleNamespace(kwargs={"lead": lead}) if fail_fast else None
     return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: marker
                                  if name == scheduling.FAIL_FAST_MARKER else None)
 
 
-def test_fail_fast_shortest_first_then_longest_first_with_unknown_tests_counted_longest():
-    items = [_item("short"), _item("long"), _item("new"), _item("slow-smoke", fail_fast=True),
-             _item("medium"), _item("smoke", fail_fast=True), _item("same-as-medium")]
-    durations = {"short": 0.1, "long": 60.0, "medium": 5.0, "same-as-medium": 5.0, "smoke": 2.0,
-                 "slow-smoke": 9.0}
+def test_lead_fail_fast_shortest_first_other_fail_fast_longest_first_then_the_rest_longest_first():
+    items = [_item("short"), _item("long"), _item("new"), _item("slow-lead", fail_fast=True, lead=True),
+             _item("medium"), _item("lead", fail_fast=True, lead=True), _item("same-as-medium"),
+             _item("small-later", fail_fast=True), _item("big-later", fail_fast=True)]
+    durations = {"short": 0.1, "long": 60.0, "medium": 5.0, "same-as-medium": 5.0, "lead": 2.0,
+                 "slow-lead": 9.0, "small-later": 1.0, "big-later": 7.0}
     order = [i.nodeid for i in scheduling.run_order(items, durations)]
-    assert order == ["smoke", "slow-smoke", "new", "long", "medium", "same-as-medium", "short"]
+    assert order == ["lead", "slow-lead", "big-later", "small-later", "new", "long", "medium", "same-as-medium",
+                     "short"]
 
 
 def test_an_unrecorded_fail_fast_test_counts_as_the_median_fail_fast_test():
-    items = [_item(name, fail_fast=True) for name in ("renumbered", "slow", "fast", "middle", "slowest")]
+    items = [_item(name, fail_fast=True, lead=True) for name in ("renumbered", "slow", "fast", "middle", "slowest")]
     durations = {"fast": 1.0, "middle": 4.0, "slow": 9.0, "slowest": 20.0}  # median 6.5
     order = [i.nodeid for i in scheduling.run_order(items, durations)]
     assert order == ["fast", "middle", "renumbered", "slow", "slowest"]
