@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from attncheck.specs.base import COVERAGE_CACHE_ENV, DEFAULT_CACHE_DIR
+from attncheck.specs.base import COVERAGE_CACHE_ENV, cache_root_setting
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What a mutated copy needs to run the gate.
@@ -84,8 +84,9 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
             else:
                 shutil.copy2(src, root / name)
         apply(mutant, root)
-        # The copy must shadow the editable install: cwd and PYTHONPATH come first.
-        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{COVERAGE_CACHE_ENV: _shared_cache()})
+        # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
+        # change only kernels/, so the copies reuse this checkout's coverage examples.
+        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{COVERAGE_CACHE_ENV: cache_root_setting()})
         try:
             proc = subprocess.run(gate_command(None if whole_gate else mutant.family, root / "reports"),
                                   cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -95,12 +96,6 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
     tail = output.strip().splitlines()[-3:]
     return _result(mutant, verdict(proc.returncode, output, mutant.equivalent), start, " | ".join(tail),
                    killed_by=failed_tests(output))
-
-
-def _shared_cache() -> str:
-    """Mutants change only kernels/, so their copies reuse this checkout's cache of
-    coverage examples instead of each searching again."""
-    return os.environ.get(COVERAGE_CACHE_ENV) or str(pathlib.Path(DEFAULT_CACHE_DIR).resolve())
 
 
 def failed_tests(output: str) -> list[str]:

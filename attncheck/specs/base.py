@@ -185,9 +185,21 @@ CACHE_DISABLED = "none"
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def coverage_cache_dir() -> pathlib.Path | None:
+def cache_root_setting() -> str:
+    """The cache root the environment asks for, as an absolute path (so that a copy of the
+    project run elsewhere shares it), or "none"."""
     chosen = os.environ.get(COVERAGE_CACHE_ENV) or DEFAULT_CACHE_DIR
-    return None if chosen == CACHE_DISABLED else pathlib.Path(chosen).resolve() / "coverage"
+    return chosen if chosen == CACHE_DISABLED else str(pathlib.Path(chosen).resolve())
+
+
+def coverage_cache_dir() -> pathlib.Path | None:
+    root = cache_root_setting()
+    return None if root == CACHE_DISABLED else pathlib.Path(root) / "coverage"
+
+
+@functools.cache
+def _package_source_digest() -> str:
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_PACKAGE_ROOT.rglob("*.py")))).hexdigest()
 
 
 def coverage_search_key(spec: KernelSpec) -> str:
@@ -195,10 +207,9 @@ def coverage_search_key(spec: KernelSpec) -> str:
     specs), the spec's own module, hypothesis' version and the classes asked for."""
     import hypothesis
 
-    digest = hashlib.sha256(f"{hypothesis.__version__}|{spec.name}|{spec.coverage_classes}".encode())
-    sources = sorted(_PACKAGE_ROOT.rglob("*.py")) + [pathlib.Path(inspect.getfile(type(spec))).resolve()]
-    for path in sources:
-        digest.update(path.read_bytes())
+    digest = hashlib.sha256(f"{hypothesis.__version__}|{spec.name}|{spec.coverage_classes}|"
+                            f"{_package_source_digest()}".encode())
+    digest.update(pathlib.Path(inspect.getfile(type(spec))).read_bytes())
     return digest.hexdigest()[:20]
 
 
