@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
+from attncheck.compiled import with_vjp
+
 INTERPRET_BASE = dict(uninitialized_memory="nan", out_of_bounds_reads="raise")
 # Hazard variants: each case runs under one of these, picked from the case's seed, so the
 # run as a whole exercises races on 2 cores, a random parallel grid order, and both DMA
@@ -46,9 +48,7 @@ MAX_HAZARD_DEVICES = 4
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    kind: str  # "pallas" backends run Pallas kernels; "xla" runs pure-JAX ones
     compares_numerics: bool
-    description: str
     probe: Callable[[], str | None]  # None when available, else the reason it is not
     variants: tuple[dict, ...] = ()
     max_devices: int | None = None  # cases on more simulated devices are not run here
@@ -107,6 +107,17 @@ def export_for_tpu(fn: Callable, *args, device_kind: str | None = TPU_EXPORT_DEV
         return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
 
 
+def tpu_exports(forward: Callable, primals, cotangent, *rest, device_kind: str | None = TPU_EXPORT_DEVICE_KIND
+                ) -> dict[str, Callable[[], object]]:
+    """The tpu-lower directions of a differentiable kernel: thunks exporting
+    ``forward(*primals, *rest)`` ("lower-fwd") and it with the VJP of its primals
+    ("lower-grad")."""
+    n = len(primals)
+    return {"lower-fwd": lambda: export_for_tpu(forward, *primals, *rest, device_kind=device_kind),
+            "lower-grad": lambda: export_for_tpu(lambda *a: with_vjp(forward)(a[:n], a[n], *a[n + 1:]),
+                                                 *primals, cotangent, *rest, device_kind=device_kind)}
+
+
 def _always() -> str | None:
     return None
 
@@ -121,15 +132,11 @@ def _tpu_present() -> str | None:
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("interpret", "pallas", True, "Pallas TPU interpret mode on CPU (NaN-filled "
-                "uninitialised memory, out-of-bounds reads raise)", _always),
-        Backend("interpret-hazards", "pallas", True, "interpret mode with race detection on 2 "
-                "cores, shuffled parallel grid order, DMA on_wait/eager, at most 4 devices", _always,
-                HAZARD_VARIANTS, max_devices=MAX_HAZARD_DEVICES),
-        Backend("tpu-lower", "pallas", False, "jax.export to platform tpu of forward and "
-                "gradient (Mosaic lowering, no numerics)", _always),
-        Backend("tpu", "pallas", True, "native TPU execution", _tpu_present),
-        Backend("xla", "xla", True, "pure JAX on the default device", _always),
+        Backend("interpret", True, _always),
+        Backend("interpret-hazards", True, _always, HAZARD_VARIANTS, max_devices=MAX_HAZARD_DEVICES),
+        Backend("tpu-lower", False, _always),
+        Backend("tpu", True, _tpu_present),
+        Backend("xla", True, _always),
     )
 }
 

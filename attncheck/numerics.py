@@ -1,17 +1,18 @@
 """Error metrics and the tolerance policy.
 
 A kernel output is judged against the float64 oracle relative to how well the naive
-same-precision XLA implementation (the *baseline*) does on the same rounded inputs:
+same-precision XLA implementation (the *yardstick*, ``attncheck.yardstick``) does on the
+same rounded inputs:
 
     err_k   = max |kernel - oracle64|      over the elements the spec cares about
-    err_b   = max |baseline - oracle64|
-    allowed = R * err_b + A
+    err_y   = max |yardstick - oracle64|
+    allowed = R * err_y + A
     pass   <=> err_k <= allowed  and  NaN/Inf positions (and Inf signs) agree exactly
 
 R is a property of the direction (outputs vs gradients: gradients go through one more
 reduction over the sequence, whose order differs legitimately between implementations).
 A is a floor of a few ulps of the *output* dtype at the oracle's magnitude, so that a
-baseline that happens to be exact (err_b == 0) cannot make the rule impossible to meet.
+yardstick that happens to be exact (err_y == 0) cannot make the rule impossible to meet.
 Nothing here is tuned per test: a case that needs a wider tolerance is a finding.
 """
 
@@ -67,8 +68,8 @@ class Comparison:
     ulp_p99: float
     ulp_max: float
     cosine: float
-    baseline_err: float
-    baseline_ulps: float  # baseline error in ulps of the dtype at the oracle's magnitude
+    yardstick_err: float
+    yardstick_ulps: float  # yardstick error in ulps of the dtype at the oracle's magnitude
     r: float
     a: float
     allowed: float
@@ -81,18 +82,26 @@ class Comparison:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
-        return {k: _json_float(v) for k, v in out.items()}
+        return {k: json_float(v) for k, v in out.items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Comparison:
+        values = {k: (float(v) if isinstance(v, str) else v) for k, v in data.items() if k != "reason"}
+        if values.get("worst_index") is not None:
+            values["worst_index"] = tuple(values["worst_index"])
+        return cls(reason=data["reason"], **values)
 
 
-def _json_float(value):
+def json_float(value):
+    """JSON has no inf/nan: written as the strings "inf", "-inf", "nan" (readable, lossless)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no inf/nan; keep it readable and lossless
+        return str(value)
     return value
 
 
-def _nonfinite_mismatch(kernel: np.ndarray, oracle: np.ndarray) -> str | None:
+def _nonfinite_mismatch(kernel: np.ndarray, oracle: np.ndarray, care: np.ndarray) -> str | None:
     for name, predicate in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
-        k, o = predicate(kernel), predicate(oracle)
+        k, o = predicate(kernel) & care, predicate(oracle) & care
         if not np.array_equal(k, o):
             where = np.argwhere(k != o)[0]
             return (f"{name} positions differ: kernel has {int(k.sum())}, oracle has {int(o.sum())}; "
@@ -100,8 +109,8 @@ def _nonfinite_mismatch(kernel: np.ndarray, oracle: np.ndarray) -> str | None:
     return None
 
 
-def compare(kernel, oracle, baseline, *, dtype, direction: str, care=None) -> Comparison:
-    """Judge `kernel` (any float dtype) against `oracle` (float64) using `baseline`.
+def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> Comparison:
+    """Judge `kernel` (any float dtype) against `oracle` (float64) using the `yardstick`.
 
     `dtype` is the dtype the kernel's output is delivered in (ulps are counted in it);
     `care` is an optional boolean mask broadcastable to the arrays: False marks
@@ -109,26 +118,26 @@ def compare(kernel, oracle, baseline, *, dtype, direction: str, care=None) -> Co
     """
     kernel = np.asarray(kernel, dtype=np.float64)
     oracle = np.asarray(oracle, dtype=np.float64)
-    baseline = np.asarray(baseline, dtype=np.float64)
-    if kernel.shape != oracle.shape or baseline.shape != oracle.shape:
+    yardstick = np.asarray(yardstick, dtype=np.float64)
+    if kernel.shape != oracle.shape or yardstick.shape != oracle.shape:
         raise ValueError(f"{direction}: shapes differ: kernel {kernel.shape}, oracle {oracle.shape}, "
-                         f"baseline {baseline.shape}")
+                         f"yardstick {yardstick.shape}")
     if care is None:
         care = np.ones(oracle.shape, dtype=bool)
     care = np.broadcast_to(np.asarray(care, dtype=bool), oracle.shape)
-    k, o, b = kernel[care], oracle[care], baseline[care]
+    k, o, y = kernel[care], oracle[care], yardstick[care]
     r = r_for_direction(direction)
     finite_o = o[np.isfinite(o)]
     scale = float(np.max(np.abs(finite_o))) if finite_o.size else 0.0
     a = FLOOR_ULPS * dtype_eps(dtype) * scale + dtype_tiny(dtype)
 
-    mismatch = _nonfinite_mismatch(k, o)
+    mismatch = _nonfinite_mismatch(kernel, oracle, care)
     both_finite = np.isfinite(k) & np.isfinite(o)
-    kf, of, bf = k[both_finite], o[both_finite], b[both_finite]
+    kf, of, yf = k[both_finite], o[both_finite], y[both_finite]
     abs_err = np.abs(kf - of)
-    baseline_finite = np.isfinite(bf)
-    baseline_err = float(np.max(np.abs(bf[baseline_finite] - of[baseline_finite]), initial=0.0))
-    allowed = r * baseline_err + a
+    yardstick_finite = np.isfinite(yf)
+    yardstick_err = float(np.max(np.abs(yf[yardstick_finite] - of[yardstick_finite]), initial=0.0))
+    allowed = r * yardstick_err + a
     max_abs = float(np.max(abs_err, initial=0.0))
     rel_denominator = np.maximum(np.abs(of), dtype_eps(dtype) * max(scale, dtype_tiny(dtype)))
     ulps = abs_err / ulp_of(of, dtype) if abs_err.size else np.zeros(1)
@@ -149,13 +158,13 @@ def compare(kernel, oracle, baseline, *, dtype, direction: str, care=None) -> Co
         passed = max_abs <= allowed
         reason = ("ok" if passed else
                   f"max abs error {max_abs:.3g} > allowed {allowed:.3g} "
-                  f"(= {r:g} x baseline error {baseline_err:.3g} + floor {a:.3g})")
+                  f"(= {r:g} x yardstick error {yardstick_err:.3g} + floor {a:.3g})")
     return Comparison(
         passed=passed, reason=reason, max_abs=max_abs,
         max_rel=float(np.max(abs_err / rel_denominator, initial=0.0)),
         mean_abs=float(np.mean(abs_err)) if abs_err.size else 0.0,
         ulp_p50=float(np.percentile(ulps, 50)), ulp_p99=float(np.percentile(ulps, 99)),
-        ulp_max=float(np.max(ulps)), cosine=cosine, baseline_err=baseline_err,
-        baseline_ulps=baseline_err / float(ulp_of(np.array(scale), dtype)) if scale > 0 else 0.0, r=r, a=a,
+        ulp_max=float(np.max(ulps)), cosine=cosine, yardstick_err=yardstick_err,
+        yardstick_ulps=yardstick_err / float(ulp_of(np.array(scale), dtype)) if scale > 0 else 0.0, r=r, a=a,
         allowed=allowed, budget=float(budget), worst_index=worst_index,
         worst_kernel=worst_kernel, worst_oracle=worst_oracle, compared=int(care.sum()))

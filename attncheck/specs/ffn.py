@@ -6,6 +6,7 @@ output and for the gradients of x and every weight.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -13,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import oracle
+from attncheck import coverage, oracle
 from attncheck import strategies as S
-from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+from attncheck.cases import Case, Params
+from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "blockwise_ffn"
 SEQ_LENS = (64, 96, 256)
@@ -24,14 +27,32 @@ HIDDEN = (64,)
 PARAM_NAMES = ("w_in", "b_in", "w_out", "b_out")
 
 
+@dataclasses.dataclass(frozen=True)
+class FFNParams(Params):
+    dtype: str
+    batch: int
+    seq_len: int
+    chunk_size: int
+    features: int
+    hidden: int
+    biases: bool
+    values: str  # "normal" or "large"
+
+    @property
+    def sequence_length(self) -> int:
+        return self.seq_len
+
+
 @st.composite
-def ffn_cases(draw) -> Case:
+def ffn_cases(draw) -> Case[FFNParams]:
     seq = draw(st.sampled_from(SEQ_LENS))
     chunk = draw(st.sampled_from([c for c in S.divisors(seq, 8) if c <= seq]))
-    return make_case(FAMILY, draw(S.seeds), dtype=draw(st.sampled_from(tuple(S.DTYPES))),
-                     batch=draw(st.sampled_from((1, 2))), seq_len=seq, chunk_size=chunk,
-                     features=draw(st.sampled_from(FEATURES)), hidden=draw(st.sampled_from(HIDDEN)),
-                     biases=draw(st.booleans()), values=draw(st.sampled_from(("normal", "large"))))
+    seed = draw(S.seeds)
+    return Case(FAMILY, FFNParams(dtype=draw(st.sampled_from(tuple(S.DTYPES))),
+                                  batch=draw(st.sampled_from((1, 2))), seq_len=seq, chunk_size=chunk,
+                                  features=draw(st.sampled_from(FEATURES)), hidden=draw(st.sampled_from(HIDDEN)),
+                                  biases=draw(st.booleans()), values=draw(st.sampled_from(("normal", "large")))),
+                seed)
 
 
 def _dense_ffn(params, x):
@@ -46,26 +67,34 @@ def _dense_ffn(params, x):
     return y.astype(x.dtype)
 
 
-class BlockwiseFFNSpec(KernelSpec):
+class BlockwiseFFNSpec(KernelSpec[FFNParams]):
     name = FAMILY
+    params_type = FFNParams
     default_impls = {"builtin": "kernels.blockwise_ffn:blockwise_ffn"}
     backends = ("xla",)
-    coverage_classes = ("single_chunk", "multi_chunk", "bf16", "large_values", "no_bias", "biases")
+    bug_classes = coverage.bug_classes(
+        single_chunk=lambda p: p.chunk_size == p.seq_len,
+        multi_chunk=lambda p: p.chunk_size != p.seq_len,
+        bf16=lambda p: p.dtype == "bfloat16",
+        large_values=lambda p: p.values == "large",
+        no_bias=lambda p: not p.biases,
+        biases=lambda p: p.biases)
     examples = {"xla": 64}
 
     def cases(self):
         return ffn_cases()
 
     def inputs(self, case):
+        p = case.params
         rng = np.random.default_rng(case.seed)
-        dt = S.dtype_of(case["dtype"])
-        b, s, f, h = case["batch"], case["seq_len"], case["features"], case["hidden"]
-        spread = 4.0 if case["values"] == "large" else 1.0
+        dt = S.dtype_of(p.dtype)
+        b, s, f, h = p.batch, p.seq_len, p.features, p.hidden
+        spread = 4.0 if p.values == "large" else 1.0
         out = {"x": S.round_to(rng.standard_normal((b, s, f)) * spread, dt),
                "w_in": S.round_to(rng.standard_normal((f, h)) / np.sqrt(f), dt),
                "w_out": S.round_to(rng.standard_normal((h, f)) / np.sqrt(h), dt),
                "d_out": S.round_to(rng.standard_normal((b, s, f)), dt)}
-        if case["biases"]:
+        if p.biases:
             out["b_in"] = S.round_to(rng.standard_normal(h), dt)
             out["b_out"] = S.round_to(rng.standard_normal(f), dt)
         return out
@@ -74,12 +103,9 @@ class BlockwiseFFNSpec(KernelSpec):
         position_wise, pack = _convention(impl)
 
         def call(params, x):
-            return impl(position_wise, pack(*params), x, chunk_size=case["chunk_size"])
+            return impl(position_wise, pack(*params), x, chunk_size=case.params.chunk_size)
 
-        return _grads(call, _static_key(impl, case), inputs)
-
-    def lower(self, impl, case):
-        return {}
+        return _grads(call, (impl_key(impl), dataclasses.replace(case.params, values="")), inputs)
 
     def oracle(self, case, inputs):
         args = [inputs["x"]] + [inputs.get(n) for n in PARAM_NAMES]
@@ -87,22 +113,13 @@ class BlockwiseFFNSpec(KernelSpec):
         result.update(oracle.feed_forward_vjp(*args, inputs["d_out"]))
         return result
 
-    def baseline(self, case, inputs):
+    def yardstick(self, case, inputs):
         # Chunking is the kernel's business: one compiled dense FFN serves every chunk size.
-        return _grads(_dense_ffn, "baseline", inputs)
+        return _grads(_dense_ffn, "yardstick", inputs)
 
     def output_dtypes(self, case):
-        dt = S.dtype_of(case["dtype"])
+        dt = S.dtype_of(case.params.dtype)
         return {d: dt for d in ("out", "dx", "dw_in", "db_in", "dw_out", "db_out")}
-
-    def classes(self, case):
-        tags = {"single_chunk" if case["chunk_size"] == case["seq_len"] else "multi_chunk"}
-        if case["dtype"] == "bfloat16":
-            tags.add("bf16")
-        if case["values"] == "large":
-            tags.add("large_values")
-        tags.add("biases" if case["biases"] else "no_bias")
-        return sorted(tags)
 
     def index_names(self, direction):
         return {"out": ("batch", "position", "feature"), "dx": ("batch", "position", "feature")}.get(direction)
@@ -120,36 +137,19 @@ def _convention(impl):
     return _dense_ffn, lambda *params: tuple(params)
 
 
-def _static_key(impl, case):
-    static = {k: v for k, v in case.params.items() if k != "values"}
-    return (getattr(impl, "__module__", None), getattr(impl, "__qualname__", None), tuple(sorted(static.items())))
-
-
-_JITTED: dict = {}
-
-
 def _grads(call, key, inputs):
-    """Output and gradients of x and every given weight: one jitted function per ``key``
+    """Output and gradients of x and every given weight: one compiled function per ``key``
     and set of given weights (jit itself keys its executables by shape and dtype)."""
     names = [n for n in PARAM_NAMES if n in inputs]
-    key = (key, tuple(names))
-    fn = _JITTED.get(key)
-    if fn is None:
-        def forward_and_grads(x, weights, d_out):
-            full = dict(zip(names, weights))
 
-            def f(x, weights):
-                params = tuple(dict(zip(names, weights)).get(n, full.get(n)) for n in PARAM_NAMES)
-                return call(params, x)
+    def forward(x, *weights):
+        given = dict(zip(names, weights))
+        return call(tuple(given.get(n) for n in PARAM_NAMES), x)
 
-            out, vjp = jax.vjp(f, x, weights)
-            dx, dweights = vjp(d_out)
-            return out, dx, dweights
-
-        fn = _JITTED[key] = jax.jit(forward_and_grads)
-    out, dx, dweights = fn(inputs["x"], [inputs[n] for n in names], inputs["d_out"])
-    result = {"out": np.asarray(out), "dx": np.asarray(dx)}
-    result.update({"d" + n: np.asarray(g) for n, g in zip(names, dweights)})
+    fn = compiled(("ffn", key, tuple(names)), lambda: with_vjp(forward))
+    out, grads = fn([inputs["x"], *(inputs[n] for n in names)], inputs["d_out"])
+    result = {"out": np.asarray(out), "dx": np.asarray(grads[0])}
+    result.update({"d" + n: np.asarray(g) for n, g in zip(names, grads[1:])})
     return result
 
 

@@ -18,18 +18,20 @@ Mapped onto the oracle:
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, baseline, oracle
+from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
-from attncheck.specs.base import (ATTENTION_AXES, BIAS_AXES, Case, InvalidCall, KernelSpec, make_case,
-                                  resolve_impl)
+from attncheck.cases import Case, Params
+from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "flash_attention"
 SEQ_LENS = (128, 256, 384, 512)
@@ -60,15 +62,40 @@ def block_sizes(draw, q_len: int, kv_len: int) -> tuple[tuple[str, int], ...]:
             ("block_k_dq", NUM_LANES), ("block_q_dq", draw(st.sampled_from(q_blocks))))
 
 
+@dataclasses.dataclass(frozen=True)
+class FlashParams(Params):
+    dtype: str
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    causal: bool
+    sm_scale: float
+    bias: bool
+    segments: str  # "none", "packed", or "absent" (a query segment missing from kv)
+    segment_starts: tuple[int, ...]
+    values: str  # an S.VALUE_KINDS distribution
+    blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
+
+    @property
+    def sequence_length(self) -> int:
+        return self.kv_len
+
+    @property
+    def block_sizes(self) -> dict[str, int]:
+        return dict(self.blocks)
+
+
 # The kernels' two-level tilings (axis -> length, major block, minor block). A
 # causal position is major offset + minor offset; each such sum is exercised under causal
 # masking only when there are several major blocks *and* several minor blocks in each.
 NESTED_TILINGS = ("fwd_kv", "dkv_q", "dkv_kv", "dq_kv")
 
 
-def nested_tilings(case: Case) -> list[str]:
-    blocks = dict(case["blocks"])
-    q_len, kv_len = case["q_len"], case["kv_len"]
+def nested_tilings(p: FlashParams) -> list[str]:
+    blocks = p.block_sizes
+    q_len, kv_len = p.q_len, p.kv_len
     levels = {"fwd_kv": (kv_len, blocks["block_k_major"], blocks["block_k"]),
               "dkv_q": (q_len, blocks["block_q_major_dkv"], blocks["block_q_dkv"]),
               "dkv_kv": (kv_len, blocks["block_k_major_dkv"], blocks["block_k_dkv"]),
@@ -77,9 +104,9 @@ def nested_tilings(case: Case) -> list[str]:
             if levels[axis][0] > levels[axis][1] > levels[axis][2]]
 
 
-def pass_tiles(case: Case) -> tuple[tuple[int, int], ...]:
+def pass_tiles(p: FlashParams) -> tuple[tuple[int, int], ...]:
     """Each pass's (q tile, kv block) as its grid fetches them: fwd, dkv, dq."""
-    blocks = dict(case["blocks"])
+    blocks = p.block_sizes
     return ((blocks["block_q"], blocks["block_k_major"]), (blocks["block_q_major_dkv"], blocks["block_k_major_dkv"]),
             (blocks["block_q_dq"], blocks["block_k_major_dq"]))
 
@@ -90,20 +117,20 @@ def pass_tiles(case: Case) -> tuple[tuple[int, int], ...]:
 # later tile. With square tiles no row is ever fully masked inside a visible tile. One
 # class asks it of every pass at once: a bug in any one pass shows in that case, and one
 # coverage example costs a third of three.
-def q_tiles_wider_than_kv_tiles(case: Case) -> bool:
-    blocks = dict(case["blocks"])
+def q_tiles_wider_than_kv_tiles(p: FlashParams) -> bool:
+    blocks = p.block_sizes
     tiles = ((blocks["block_q"], blocks["block_k"]), (blocks["block_q_dkv"], blocks["block_k_dkv"]),
              (blocks["block_q_dq"], blocks["block_k_dq"]))
-    return all(q_tile > kv_tile and case["kv_len"] > kv_tile for q_tile, kv_tile in tiles)
+    return all(q_tile > kv_tile and p.kv_len > kv_tile for q_tile, kv_tile in tiles)
 
 
-def causal_skips_in_every_pass(case: Case) -> bool:
+def causal_skips_in_every_pass(p: FlashParams) -> bool:
     """Some (q tile, kv block) step lies wholly above the diagonal in each pass: the
     kernel skips it, and every operand and output index map must agree with the skip
     (a bias or d_ab map that follows the clamped kv index reads or writes a real block)."""
     # Top-left causal: the likeliest skip is the first q tile (last query q_tile - 1)
     # against the last kv block (first key kv_len - kv_block).
-    return case["causal"] and all(case["kv_len"] - kv_block > q_tile - 1 for q_tile, kv_block in pass_tiles(case))
+    return p.causal and all(p.kv_len - kv_block > q_tile - 1 for q_tile, kv_block in pass_tiles(p))
 
 
 def _varies_across_tiles(ids: np.ndarray, tile: int) -> bool:
@@ -111,17 +138,16 @@ def _varies_across_tiles(ids: np.ndarray, tile: int) -> bool:
     return bool((tiles != tiles[0]).any())
 
 
-def segments_vary_across_tiles(case: Case) -> bool:
+def segments_vary_across_tiles(p: FlashParams) -> bool:
     """In every pass, some q tile holds other segment ids than the first q tile, and some
     kv block other ids than the first kv block: a segment-id index map that fetches the
     wrong tile changes the mask only then."""
-    if case["segments"] != "packed":
+    if p.segments != "packed":
         return False
-    starts = case["segment_starts"]
-    q_ids = S.segment_ids_from_layout(starts, case["q_len"])
-    kv_ids = S.segment_ids_from_layout(starts, case["kv_len"])
+    q_ids = S.segment_ids_from_layout(p.segment_starts, p.q_len)
+    kv_ids = S.segment_ids_from_layout(p.segment_starts, p.kv_len)
     return all(_varies_across_tiles(q_ids, q_tile) and _varies_across_tiles(kv_ids, kv_block)
-               for q_tile, kv_block in pass_tiles(case))
+               for q_tile, kv_block in pass_tiles(p))
 
 
 @st.composite
@@ -133,43 +159,56 @@ def flash_cases(draw) -> Case:
     head_dim = draw(st.sampled_from(HEAD_DIMS))
     # batch * heads <= 2 keeps interpret-mode grids small; both axes still vary.
     batch, heads = draw(st.sampled_from(((1, 1), (2, 1), (1, 2))))
-    return make_case(
-        FAMILY, draw(S.seeds), dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
+    seed = draw(S.seeds)
+    return Case(FAMILY, FlashParams(
+        dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
         q_len=q_len, kv_len=kv_len, head_dim=head_dim, causal=causal,
         sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), 1.0))),
         bias=draw(st.booleans()), segments=segments,
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
-        values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len)))
+        values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len))), seed)
 
 
-class FlashSpec(KernelSpec):
+class FlashSpec(KernelSpec[FlashParams]):
     name = FAMILY
+    params_type = FlashParams
     default_impls = {"builtin": "kernels.flash_attention:flash_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    coverage_classes = ("q_len_ne_kv_len", "causal", "fully_masked_row", "block_boundary_straddle",
-                        "multi_block_kv", "single_step_kv", "k_major_gt_k", "bias", "large_logits",
-                        "exact_ties", "bf16", "segments_vary_across_tiles", "causal_wide_q",
-                        "causal_bias_skipped_blocks", *(f"causal_nested_{a}" for a in NESTED_TILINGS))
+    bug_classes = coverage.bug_classes(
+        q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,
+        causal=lambda p: p.causal,
+        fully_masked_row=lambda p: p.segments == "absent",
+        block_boundary_straddle=lambda p: p.segments != "none" and any(s % NUM_LANES for s in p.segment_starts[1:]),
+        multi_block_kv=lambda p: p.block_sizes["block_k_major"] != p.kv_len,
+        single_step_kv=lambda p: p.block_sizes["block_k_major"] == p.kv_len,
+        k_major_gt_k=lambda p: p.block_sizes["block_k_major"] > p.block_sizes["block_k"],
+        bias=lambda p: p.bias,
+        large_logits=lambda p: p.values == "large",
+        exact_ties=lambda p: p.values == "ties",
+        bf16=lambda p: p.dtype == "bfloat16",
+        segments_vary_across_tiles=segments_vary_across_tiles,
+        causal_wide_q=lambda p: p.causal and q_tiles_wider_than_kv_tiles(p),
+        causal_bias_skipped_blocks=lambda p: p.bias and causal_skips_in_every_pass(p),
+        **{f"causal_nested_{a}": (lambda p, a=a: p.causal and a in nested_tilings(p)) for a in NESTED_TILINGS})
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
 
     def cases(self):
         return flash_cases()
 
-    def inputs(self, case: Case) -> dict[str, np.ndarray]:
+    def inputs(self, case: Case[FlashParams]) -> dict[str, np.ndarray]:
+        p = case.params
         rng = np.random.default_rng(case.seed)
-        dt = S.dtype_of(case["dtype"])
-        b, h, q_len, kv_len, d = case["batch"], case["heads"], case["q_len"], case["kv_len"], case["head_dim"]
-        kind = case["values"]
-        out = {name: S.round_to(S.attention_values(rng, kind, shape, role=name), dt)
+        dt = S.dtype_of(p.dtype)
+        b, h, q_len, kv_len, d = p.batch, p.heads, p.q_len, p.kv_len, p.head_dim
+        out = {name: S.round_to(S.attention_values(rng, p.values, shape, role=name), dt)
                for name, shape in (("q", (b, h, q_len, d)), ("k", (b, h, kv_len, d)), ("v", (b, h, kv_len, d)),
                                    ("d_out", (b, h, q_len, d)))}
-        if case["bias"]:
+        if p.bias:
             out["ab"] = S.round_to(rng.standard_normal((b, h, q_len, kv_len)), dt)
-        if case["segments"] != "none":
-            starts = case["segment_starts"]
-            q_ids = S.segment_ids_from_layout(starts, q_len)
-            kv_ids = S.segment_ids_from_layout(starts, kv_len)
-            if case["segments"] == "absent":
+        if p.segments != "none":
+            q_ids = S.segment_ids_from_layout(p.segment_starts, q_len)
+            kv_ids = S.segment_ids_from_layout(p.segment_starts, kv_len)
+            if p.segments == "absent":
                 q_ids = np.where(q_ids == q_ids.max(), ABSENT_SEGMENT, q_ids).astype(np.int32)
                 out["d_out"] = np.where((q_ids == ABSENT_SEGMENT)[None, None, :, None], 0, out["d_out"]).astype(dt)
             out["q_segment_ids"] = np.broadcast_to(q_ids, (b, q_len)).copy()
@@ -177,91 +216,60 @@ class FlashSpec(KernelSpec):
         return out
 
     # ------------------------------------------------------------------ running
-    def _call(self, impl, case: Case):
-        module = _impl_module(impl)
+    def _call(self, impl, p: FlashParams):
+        module = sys.modules[impl.__module__]  # SegmentIds/BlockSizes of the implementation's convention
 
         def forward(q, k, v, ab, q_seg, kv_seg):
             segment_ids = module.SegmentIds(q=q_seg, kv=kv_seg) if q_seg is not None else None
-            return impl(q, k, v, ab, segment_ids, causal=case["causal"], sm_scale=case["sm_scale"],
-                        block_sizes=module.BlockSizes(**dict(case["blocks"])))
+            return impl(q, k, v, ab, segment_ids, causal=p.causal, sm_scale=p.sm_scale,
+                        block_sizes=module.BlockSizes(**p.block_sizes))
 
         return forward
 
     def run(self, impl, case, inputs):
-        return _run_jitted(self._call(impl, case), _static_key(impl, case), *_operands(inputs))
+        p = case.params
+        # What forces a new compile: everything but the values and the segment layout.
+        static = dataclasses.replace(p, values="", segment_starts=(),
+                                     segments="none" if p.segments == "none" else "given")
+        primals, rest = _operands(inputs)
+        fn = compiled(("flash", impl_key(impl), static), lambda: with_vjp(self._call(impl, p)))
+        out, grads = fn(primals, inputs["d_out"], *rest)
+        return {n: np.asarray(r) for n, r in zip(("out", "dq", "dk", "dv", "dab"), (out, *grads))}
 
     def lower(self, impl, case):
-        forward = self._call(impl, case)
-        operands = _operands(self.inputs(case))
-
-        def export(fn):
-            return lambda: backends.export_for_tpu(fn, *operands)
-
-        return {"lower-fwd": export(lambda q, k, v, ab, qs, ks, g: forward(q, k, v, ab, qs, ks)),
-                "lower-grad": export(functools.partial(_forward_and_grads, forward))}
+        inputs = self.inputs(case)
+        primals, rest = _operands(inputs)
+        return backends.tpu_exports(self._call(impl, case.params), primals, inputs["d_out"], *rest)
 
     # ------------------------------------------------------------------ judging
-    def _semantics(self, case, inputs):
-        return dict(scale=case["sm_scale"], causal=case["causal"],
+    def _semantics(self, p: FlashParams, inputs):
+        return dict(scale=p.sm_scale, causal=p.causal,
                     q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"))
 
     def oracle(self, case, inputs):
-        sem = self._semantics(case, inputs)
-        bias = None if "ab" not in inputs else np.asarray(inputs["ab"], np.float64) * case["sm_scale"]
+        p = case.params
+        sem = self._semantics(p, inputs)
+        bias = None if "ab" not in inputs else np.asarray(inputs["ab"], np.float64) * p.sm_scale
         args = (inputs["q"], inputs["k"], inputs["v"])
         fwd = oracle.attention(*args, bias=bias, masked_rows="mean_of_v", **sem)
         grads = oracle.attention_vjp(*args, inputs["d_out"], bias=bias, masked_rows="mean_of_v", **sem)
         result = {"out": fwd.out, "dq": grads["dq"], "dk": grads["dk"], "dv": grads["dv"]}
         if bias is not None:
-            result["dab"] = grads["dbias"] * case["sm_scale"]
+            result["dab"] = grads["dbias"] * p.sm_scale
         return result
 
-    def baseline(self, case, inputs):
-        visible = baseline.visibility(np.arange(case["q_len"]), np.arange(case["kv_len"]), causal=case["causal"],
-                                      q_segment_ids=inputs.get("q_segment_ids"),
-                                      kv_segment_ids=inputs.get("kv_segment_ids"))
-        return baseline.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
-                                             scale=case["sm_scale"], ab=inputs.get("ab"), visible=visible,
-                                             masked_rows="mean_of_v")
+    def yardstick(self, case, inputs):
+        p = case.params
+        visible = yardstick.visibility(np.arange(p.q_len), np.arange(p.kv_len), causal=p.causal,
+                                       q_segment_ids=inputs.get("q_segment_ids"),
+                                       kv_segment_ids=inputs.get("kv_segment_ids"))
+        return yardstick.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
+                                              scale=p.sm_scale, ab=inputs.get("ab"), visible=visible,
+                                              masked_rows="mean_of_v")
 
     def output_dtypes(self, case):
-        dt = S.dtype_of(case["dtype"])
+        dt = S.dtype_of(case.params.dtype)
         return {d: dt for d in ("out", "dq", "dk", "dv", "dab")}
-
-    def classes(self, case):
-        blocks = dict(case["blocks"])
-        tags = set()
-        if case["q_len"] != case["kv_len"]:
-            tags.add("q_len_ne_kv_len")
-        if case["causal"]:
-            tags.add("causal")
-        if case["segments"] == "absent":
-            tags.add("fully_masked_row")
-        if case["segments"] != "none" and any(s % NUM_LANES for s in case["segment_starts"][1:]):
-            tags.add("block_boundary_straddle")
-        tags.add("single_step_kv" if blocks["block_k_major"] == case["kv_len"] else "multi_block_kv")
-        if blocks["block_k_major"] > blocks["block_k"]:
-            tags.add("k_major_gt_k")
-        if case["bias"]:
-            tags.add("bias")
-        if case["values"] == "large":
-            tags.add("large_logits")
-        if case["values"] == "ties":
-            tags.add("exact_ties")
-        if case["dtype"] == "bfloat16":
-            tags.add("bf16")
-        if segments_vary_across_tiles(case):
-            tags.add("segments_vary_across_tiles")
-        if case["causal"]:
-            tags.update(f"causal_nested_{a}" for a in nested_tilings(case))
-            if q_tiles_wider_than_kv_tiles(case):
-                tags.add("causal_wide_q")
-            if case["bias"] and causal_skips_in_every_pass(case):
-                tags.add("causal_bias_skipped_blocks")
-        return sorted(tags)
-
-    def seq_len(self, case):
-        return case["kv_len"]
 
     def index_names(self, direction):
         return {**ATTENTION_AXES, "dab": BIAS_AXES}.get(direction)
@@ -270,50 +278,16 @@ class FlashSpec(KernelSpec):
         return invalid_flash_calls(self.default_impls["builtin"])
 
 
-def _impl_module(impl):
-    """The module defining SegmentIds/BlockSizes for this implementation's convention."""
-    import sys
-
-    return sys.modules[impl.__module__]
-
-
 def _operands(inputs):
-    return (inputs["q"], inputs["k"], inputs["v"], inputs.get("ab"), inputs.get("q_segment_ids"),
-            inputs.get("kv_segment_ids"), inputs["d_out"])
-
-
-def _forward_and_grads(forward, q, k, v, ab, q_seg, kv_seg, d_out):
-    if ab is None:
-        out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, None, q_seg, kv_seg), q, k, v)
-        return (out, *vjp(d_out))
-    out, vjp = jax.vjp(lambda q, k, v, ab: forward(q, k, v, ab, q_seg, kv_seg), q, k, v, ab)
-    return (out, *vjp(d_out))
-
-
-def _static_key(impl, case):
-    """What forces a new compile: everything but the values and the segment layout."""
-    static = {k: v for k, v in case.params.items() if k not in ("values", "segment_starts", "segments")}
-    static["has_segments"] = case["segments"] != "none"
-    return (impl.__module__, impl.__qualname__, tuple(sorted(static.items())))
-
-
-_JITTED: dict = {}
-
-
-def _run_jitted(forward, key, *operands):
-    """One compiled fwd+vjp per static configuration, reused across examples and backends
-    (the interpret-mode settings are part of jit's own cache key)."""
-    fn = _JITTED.get(key)
-    if fn is None:
-        fn = _JITTED[key] = jax.jit(functools.partial(_forward_and_grads, forward))
-    results = fn(*operands)
-    names = ("out", "dq", "dk", "dv", "dab")[: len(results)]
-    return {n: np.asarray(r) for n, r in zip(names, results)}
+    """(primals, the rest of forward's arguments): the bias is a primal when given."""
+    primals = [inputs[n] for n in ("q", "k", "v", "ab") if n in inputs]
+    rest = ([] if "ab" in inputs else [None]) + [inputs.get("q_segment_ids"), inputs.get("kv_segment_ids")]
+    return primals, rest
 
 
 def invalid_flash_calls(ref: str) -> list[InvalidCall]:
     impl = resolve_impl(ref)
-    module = _impl_module(impl)
+    module = sys.modules[impl.__module__]
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128
     q = jnp.zeros((b, h, s, d), f32)

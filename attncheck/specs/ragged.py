@@ -12,15 +12,17 @@ page-table slots and in the metadata of sequences past num_seqs. Output rows pas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, baseline, oracle
+from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
-from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case, resolve_impl
+from attncheck.cases import Case, Params
+from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "ragged_paged_attention"
 # Static buckets: every case of a bucket reuses one compiled kernel; the ragged structure
@@ -40,6 +42,34 @@ SEQ_KINDS = ("decode", "chunked_prefill", "full_prefill", "empty")
 PADDING_KINDS = ("repeat_last", "minus_one", "garbage")
 KV_DTYPES = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
              **S.DTYPES}
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedParams(Params):
+    dtype: str  # queries (and output)
+    kv_dtype: str
+    page_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    seqs: tuple[tuple[int, int], ...]  # (q_len, kv_len) of each sequence
+    sliding_window: int | None
+    soft_cap: float | None
+    k_scale: float | None
+    v_scale: float | None
+    sm_scale: float
+    num_kv_pages_per_block: int | None
+    num_queries_per_block: int | None
+    padding: str  # a PADDING_KINDS way of filling metadata past num_seqs
+    values: str  # "normal" or "large"
+
+    @property
+    def sequence_length(self) -> int:
+        return max(k for _, k in self.seqs)
+
+    @property
+    def kv_block_pages(self) -> int:
+        """Pages per kv block as the kernel picks them when the case leaves it to it."""
+        return self.num_kv_pages_per_block or max(1, min(PAGES_PER_SEQ, 128 // self.page_size))
 
 
 @st.composite
@@ -74,38 +104,39 @@ def ragged_cases(draw) -> Case:
     # (int8, fp8) 2 * num_kv_heads must be a multiple of 4 (a documented rejection).
     packing = 4 // KV_DTYPES[kv_dtype].itemsize
     heads = draw(st.sampled_from([h for h in HEAD_LAYOUTS if (2 * h[1]) % packing == 0]))
-    return make_case(
-        FAMILY, draw(S.seeds), dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
+    seed = draw(S.seeds)
+    return Case(FAMILY, RaggedParams(
+        dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
         num_q_heads=heads[0], num_kv_heads=heads[1], seqs=tuple(seqs),
         sliding_window=window, soft_cap=draw(st.sampled_from((None, 5.0))),
         k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((HEAD_DIM**-0.5, 1.0))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
         num_queries_per_block=draw(st.sampled_from((None, 8, 16))),
-        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large"))))
+        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large")))), seed)
 
 
-def some_query_sees_several_keys(case: Case) -> bool:
+def some_query_sees_several_keys(p: RaggedParams) -> bool:
     # A sequence's last query sees min(window, kv_len) keys (bottom-right causal).
-    window = case["sliding_window"] or math.inf
-    return any(q_len and min(window, kv_len) >= 2 for q_len, kv_len in case["seqs"])
+    window = p.sliding_window or math.inf
+    return any(q_len and min(window, kv_len) >= 2 for q_len, kv_len in p.seqs)
 
 
-def seqs_share_a_q_block(case: Case) -> bool:
+def seqs_share_a_q_block(p: RaggedParams) -> bool:
     """Some sequence's first query token lies in the q block of the previous sequence's
     last one (block size as asked for; the kernel's default depends on the shapes)."""
-    block = case["num_queries_per_block"]
-    starts = np.cumsum([0] + [q_len for q_len, _ in case["seqs"]])[:-1]
-    boundaries = [start for start, (q_len, _) in zip(starts, case["seqs"]) if q_len][1:]
+    block = p.num_queries_per_block
+    starts = np.cumsum([0] + [q_len for q_len, _ in p.seqs])[:-1]
+    boundaries = [start for start, (q_len, _) in zip(starts, p.seqs) if q_len][1:]
     return block is not None and any(b % block for b in boundaries)
 
 
-def expected_max_rises(case: Case, block_tokens: int) -> float:
+def expected_max_rises(p: RaggedParams, block_tokens: int) -> float:
     """How many (query row, kv block after its first) steps raise the running max, on
     average over exchangeable logits: a block adding n keys to m seen before raises it with
     probability n / (n + m). Few expected rises and a fixed seed may well draw none."""
-    window = case["sliding_window"] or math.inf
+    window = p.sliding_window or math.inf
     rises = 0.0
-    for q_len, kv_len in case["seqs"]:
+    for q_len, kv_len in p.seqs:
         for pos in range(kv_len - q_len, kv_len):
             first = int(max(0, pos + 1 - window))
             seen = 0
@@ -114,7 +145,7 @@ def expected_max_rises(case: Case, block_tokens: int) -> float:
                 if seen:
                     rises += new / (seen + new)
                 seen += new
-    return rises * case["num_q_heads"]
+    return rises * p.num_q_heads
 
 
 def _poison(dtype) -> float:
@@ -125,30 +156,76 @@ def _poison(dtype) -> float:
     return np.nan
 
 
-class RaggedSpec(KernelSpec):
+def _seq_kind(q_len: int, kv_len: int) -> str:
+    if q_len == 0:
+        return "zero_length_seq"
+    if q_len == 1:
+        return "decode"
+    return "chunked_prefill" if q_len < kv_len else "full_prefill"
+
+
+def _has_seq(kind: str):
+    return lambda p: any(_seq_kind(q, k) == kind for q, k in p.seqs)
+
+
+def _with_several_keys(predicate):
+    """What changes the logits (soft cap, k scale and dequantization, bf16 rounding of
+    scores) shows only where a softmax spans several keys: over one key it is 1 whatever
+    the logit, so a decode step on a 1-token sequence cannot tell them apart."""
+    return lambda p: some_query_sees_several_keys(p) and predicate(p)
+
+
+class RaggedSpec(KernelSpec[RaggedParams]):
     name = FAMILY
+    params_type = RaggedParams
     default_impls = {"builtin": "kernels.ragged_paged_attention:ragged_paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    coverage_classes = ("decode", "chunked_prefill", "full_prefill", "zero_length_seq", "num_seqs_lt_max",
-                        "kv_len_not_page_multiple", "pages_per_seq_not_block_multiple", "nan_padding",
-                        "shuffled_pages", "gqa", "window_lt_block", "window_gt_kv_len", "window_clips_keys", "soft_cap",
-                        "kv_scales", "bf16", "packed_kv", "q_len_ne_kv_len", "softmax_spans_kv_blocks",
-                        "seqs_share_q_block")
+    bug_classes = coverage.bug_classes(
+        decode=_has_seq("decode"),
+        chunked_prefill=_has_seq("chunked_prefill"),
+        full_prefill=_has_seq("full_prefill"),
+        zero_length_seq=_has_seq("zero_length_seq"),
+        num_seqs_lt_max=lambda p: len(p.seqs) < MAX_SEQS,
+        kv_len_not_page_multiple=lambda p: any(k % p.page_size for _, k in p.seqs),
+        pages_per_seq_not_block_multiple=lambda p: PAGES_PER_SEQ % p.kv_block_pages != 0,
+        # Every case poisons padding with NaN and shuffles its page table.
+        nan_padding=lambda p: True,
+        shuffled_pages=lambda p: True,
+        gqa=lambda p: p.num_q_heads > p.num_kv_heads,
+        window_lt_block=lambda p: p.sliding_window is not None and p.sliding_window < p.kv_block_pages * p.page_size,
+        window_gt_kv_len=lambda p: p.sliding_window is not None and p.sliding_window > max(k for _, k in p.seqs),
+        # Some query has a key exactly `window` positions back, which the window must hide:
+        # without it the window's boundary (< vs <=) is never tested.
+        window_clips_keys=lambda p: p.sliding_window is not None and any(k > p.sliding_window for q, k in p.seqs if q),
+        soft_cap=_with_several_keys(lambda p: p.soft_cap is not None),
+        kv_scales=_with_several_keys(lambda p: p.k_scale is not None),
+        bf16=_with_several_keys(lambda p: p.dtype == "bfloat16"),
+        packed_kv=_with_several_keys(lambda p: p.kv_dtype not in S.DTYPES),
+        q_len_ne_kv_len=lambda p: any(0 < q != k for q, k in p.seqs),
+        # The online softmax rescales its normaliser and accumulator only where the running
+        # max rises in a later kv block; several queries also put early ones fully masked
+        # in a block their later ones see.
+        softmax_spans_kv_blocks=lambda p: (any(q >= 2 for q, _ in p.seqs)
+                                           and expected_max_rises(p, p.kv_block_pages * p.page_size) >= 3),
+        # A grid step owns a block of consecutive query tokens: where two sequences share
+        # one, the softmax state must restart at the sequence boundary, not the step's.
+        seqs_share_q_block=seqs_share_a_q_block)
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
 
     def cases(self):
         return ragged_cases()
 
     def inputs(self, case):
+        p = case.params
         rng = np.random.default_rng(case.seed)
-        q_dt, kv_dt = S.dtype_of(case["dtype"]), KV_DTYPES[case["kv_dtype"]]
-        seqs, page_size = case["seqs"], case["page_size"]
-        hq, hkv = case["num_q_heads"], case["num_kv_heads"]
+        q_dt, kv_dt = S.dtype_of(p.dtype), KV_DTYPES[p.kv_dtype]
+        seqs, page_size = p.seqs, p.page_size
+        hq, hkv = p.num_q_heads, p.num_kv_heads
         num_seqs = len(seqs)
         q_lens = np.array([q for q, _ in seqs] + [0] * (MAX_SEQS - num_seqs))
         kv_lens = np.array([k for _, k in seqs] + [0] * (MAX_SEQS - num_seqs), dtype=np.int32)
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        spread = S.LARGE_LOGIT_STD if case["values"] == "large" else 1.0
+        spread = S.LARGE_LOGIT_STD if p.values == "large" else 1.0
         queries = rng.standard_normal((MAX_TOKENS, hq, HEAD_DIM)) * spread
         queries[cu[num_seqs]:] = np.nan  # padding tokens
         # Pages: a shuffled, non-contiguous allocation; everything unallocated is poison.
@@ -160,59 +237,50 @@ class RaggedSpec(KernelSpec):
             pages = -(-kv_len // page_size)
             page_indices[s, :pages] = order[used:used + pages]
             used += pages
-            for p in range(pages):
-                rows = min(page_size, kv_len - p * page_size)
-                kv[order[used - pages + p], :rows] = rng.standard_normal((rows, 2 * hkv, HEAD_DIM))
+            for page in range(pages):
+                rows = min(page_size, kv_len - page * page_size)
+                kv[order[used - pages + page], :rows] = rng.standard_normal((rows, 2 * hkv, HEAD_DIM))
         kv[:, :, 0::2] *= spread  # K only: large logits
         if kv_dt == np.int8:
             kv = np.where(np.isnan(kv), 127, np.clip(np.round(kv * 30), -127, 127))
-        self._pad_metadata(case, rng, kv_lens, cu, num_seqs)
+        _pad_metadata(p.padding, rng, kv_lens, cu, num_seqs)
         return {"queries": S.round_to(queries, q_dt), "kv_pages": kv.astype(np.float32).astype(kv_dt),
                 "kv_lens": kv_lens, "page_indices": page_indices, "cu_q_lens": cu,
                 "num_seqs": np.array([num_seqs], dtype=np.int32)}
 
     @staticmethod
-    def _pad_metadata(case, rng, kv_lens, cu, num_seqs):
-        """Metadata past num_seqs is padding the kernel must not trust."""
-        if case["padding"] == "minus_one":
-            kv_lens[num_seqs:] = -1
-            cu[num_seqs + 1:] = -1
-        elif case["padding"] == "garbage":
-            kv_lens[num_seqs:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
-            cu[num_seqs + 1:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
+    def _options(p: RaggedParams):
+        return dict(sm_scale=p.sm_scale, sliding_window=p.sliding_window, soft_cap=p.soft_cap,
+                    k_scale=p.k_scale, v_scale=p.v_scale)
 
-    def _options(self, case):
-        return dict(sm_scale=case["sm_scale"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
-                    k_scale=case["k_scale"], v_scale=case["v_scale"])
-
-    def _call(self, impl, case):
-        return lambda *args: impl(*args, **self._options(case),
-                                  num_kv_pages_per_block=case["num_kv_pages_per_block"],
-                                  num_queries_per_block=case["num_queries_per_block"])
+    def _call(self, impl, p: RaggedParams):
+        return lambda *args: impl(*args, **self._options(p), num_kv_pages_per_block=p.num_kv_pages_per_block,
+                                  num_queries_per_block=p.num_queries_per_block)
 
     def _args(self, inputs):
         return tuple(inputs[n] for n in ("queries", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"))
 
     def run(self, impl, case, inputs):
         # Called eagerly: the kernel validates concrete metadata, then runs its own jit.
-        return {"out": np.asarray(self._call(impl, case)(*self._args(inputs)))}
+        return {"out": np.asarray(self._call(impl, case.params)(*self._args(inputs)))}
 
     def lower(self, impl, case):
         args = self._args(self.inputs(case))
-        return {"lower-fwd": lambda: backends.export_for_tpu(self._call(impl, case), *args)}
+        return {"lower-fwd": lambda: backends.export_for_tpu(self._call(impl, case.params), *args)}
 
     def oracle(self, case, inputs):
-        return {"out": oracle.ragged_paged_attention(*self._args(inputs), **self._options(case)).out}
+        return {"out": oracle.ragged_paged_attention(*self._args(inputs), **self._options(case.params)).out}
 
     def care(self, case, inputs):
-        valid = np.arange(MAX_TOKENS) < inputs["cu_q_lens"][len(case["seqs"])]
+        valid = np.arange(MAX_TOKENS) < inputs["cu_q_lens"][len(case.params.seqs)]
         return {"out": valid[:, None, None]}
 
-    def baseline(self, case, inputs):
+    def yardstick(self, case, inputs):
         """Dense XLA attention over every sequence's gathered keys, in working precision."""
-        seqs, page_size = case["seqs"], case["page_size"]
+        p = case.params
+        seqs, page_size = p.seqs, p.page_size
         capacity = page_size * PAGES_PER_SEQ
-        q_dt = S.dtype_of(case["dtype"])
+        q_dt = S.dtype_of(p.dtype)
         kv = np.zeros((MAX_SEQS * capacity,) + inputs["kv_pages"].shape[2:], dtype=np.float32)
         q_pos = np.full(MAX_TOKENS, -1)
         kv_pos = np.full(MAX_SEQS * capacity, 1 << 30)
@@ -227,84 +295,36 @@ class RaggedSpec(KernelSpec):
             q_pos[cu[s]: cu[s] + q_len] = kv_len - q_len + np.arange(q_len)
             seq_of_token[cu[s]: cu[s] + q_len] = s
         k, v = kv[:, 0::2], kv[:, 1::2]
-        k_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, case["k_scale"])
-        v_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, case["v_scale"])
-        k = (k * (case["k_scale"] or 1.0)).astype(k_dt)
-        v = (v * (case["v_scale"] or 1.0)).astype(v_dt)
-        visible = baseline.visibility(q_pos, kv_pos, causal=True, window=case["sliding_window"],
+        k_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, p.k_scale)
+        v_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, p.v_scale)
+        k = (k * (p.k_scale or 1.0)).astype(k_dt)
+        v = (v * (p.v_scale or 1.0)).astype(v_dt)
+        visible = yardstick.visibility(q_pos, kv_pos, causal=True, window=p.sliding_window,
                                       q_segment_ids=seq_of_token[None], kv_segment_ids=seq_of_key[None])
         queries = np.nan_to_num(inputs["queries"]).transpose(1, 0, 2)[None]
-        out = baseline.attention(queries, k.transpose(1, 0, 2)[None].astype(q_dt),
-                                 v.transpose(1, 0, 2)[None], scale=case["sm_scale"], visible=visible,
-                                 soft_cap=case["soft_cap"], masked_rows="zero")
+        out = yardstick.attention(queries, k.transpose(1, 0, 2)[None].astype(q_dt),
+                                 v.transpose(1, 0, 2)[None], scale=p.sm_scale, visible=visible,
+                                 soft_cap=p.soft_cap, masked_rows="zero")
         return {"out": np.asarray(out)[0].transpose(1, 0, 2).astype(q_dt)}
 
     def output_dtypes(self, case):
-        return {"out": S.dtype_of(case["dtype"])}
-
-    def classes(self, case):
-        seqs, page_size = case["seqs"], case["page_size"]
-        block_pages = case["num_kv_pages_per_block"] or max(1, min(PAGES_PER_SEQ, 128 // page_size))
-        tags = {"nan_padding", "shuffled_pages"}
-        for q_len, kv_len in seqs:
-            if q_len == 0:
-                tags.add("zero_length_seq")
-            elif q_len == 1:
-                tags.add("decode")
-            elif q_len < kv_len:
-                tags.add("chunked_prefill")
-            else:
-                tags.add("full_prefill")
-            if 0 < q_len != kv_len:
-                tags.add("q_len_ne_kv_len")
-            if kv_len % page_size:
-                tags.add("kv_len_not_page_multiple")
-        if len(seqs) < MAX_SEQS:
-            tags.add("num_seqs_lt_max")
-        if PAGES_PER_SEQ % block_pages:
-            tags.add("pages_per_seq_not_block_multiple")
-        if case["num_q_heads"] > case["num_kv_heads"]:
-            tags.add("gqa")
-        # The online softmax rescales its normaliser and accumulator only where the running
-        # max rises in a later kv block; several queries also put early ones fully masked
-        # in a block their later ones see.
-        if any(q_len >= 2 for q_len, _ in seqs) and expected_max_rises(case, block_pages * page_size) >= 3:
-            tags.add("softmax_spans_kv_blocks")
-        # A grid step owns a block of consecutive query tokens: where two sequences share
-        # one, the softmax state must restart at the sequence boundary, not the step's.
-        if seqs_share_a_q_block(case):
-            tags.add("seqs_share_q_block")
-        window = case["sliding_window"]
-        if window is not None and window < block_pages * page_size:
-            tags.add("window_lt_block")
-        if window is not None and window > max(k for _, k in seqs):
-            tags.add("window_gt_kv_len")
-        # Some query has a key exactly `window` positions back, which the window must hide:
-        # without it the window's boundary (< vs <=) is never tested.
-        if window is not None and any(k > window for q, k in seqs if q):
-            tags.add("window_clips_keys")
-        # What changes the logits (soft cap, k scale and dequantization, bf16 rounding of
-        # scores) shows only where a softmax spans several keys: over one key it is 1
-        # whatever the logit, so a decode step on a 1-token sequence cannot tell them apart.
-        if some_query_sees_several_keys(case):
-            if case["soft_cap"] is not None:
-                tags.add("soft_cap")
-            if case["k_scale"] is not None:
-                tags.add("kv_scales")
-            if case["dtype"] == "bfloat16":
-                tags.add("bf16")
-            if case["kv_dtype"] not in S.DTYPES:
-                tags.add("packed_kv")
-        return sorted(tags)
-
-    def seq_len(self, case):
-        return max(k for _, k in case["seqs"])
+        return {"out": S.dtype_of(case.params.dtype)}
 
     def index_names(self, direction):
         return ("token", "q_head", "dim")
 
     def invalid_calls(self):
         return invalid_ragged_calls(self.default_impls["builtin"])
+
+
+def _pad_metadata(padding: str, rng, kv_lens, cu, num_seqs) -> None:
+    """Metadata past num_seqs is padding the kernel must not trust."""
+    if padding == "minus_one":
+        kv_lens[num_seqs:] = -1
+        cu[num_seqs + 1:] = -1
+    elif padding == "garbage":
+        kv_lens[num_seqs:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
+        cu[num_seqs + 1:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
 
 
 def _kv_compute_dtype(q_dtype, kv_dtype, scale):

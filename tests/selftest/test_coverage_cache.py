@@ -7,20 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attncheck import specs
-from attncheck.specs import base
+from attncheck import coverage, specs
 from tests.selftest import toy_spec
 
 
 @pytest.fixture
 def toy(monkeypatch, tmp_path):
-    monkeypatch.setattr(specs, "SPEC_MODULES", [toy_spec.SPEC_MODULE])
-    monkeypatch.setenv(base.COVERAGE_CACHE_ENV, str(tmp_path))
-    specs.all_specs.cache_clear()
-    base._coverage_examples.cache_clear()
-    yield specs.all_specs()[toy_spec.FAMILY]
-    specs.all_specs.cache_clear()
-    base._coverage_examples.cache_clear()
+    monkeypatch.setenv(coverage.CACHE_ENV, str(tmp_path))
+    coverage._examples.cache_clear()
+    yield toy_spec.SPEC
+    coverage._examples.cache_clear()
 
 
 def ids(cases):
@@ -32,19 +28,19 @@ def cached_files(tmp_path):
 
 
 def fresh_examples(spec):
-    base._coverage_examples.cache_clear()
-    return base.coverage_examples(spec)
+    coverage._examples.cache_clear()
+    return coverage.examples(spec)
 
 
 def test_cached_examples_are_the_searched_ones_and_are_reused(toy, tmp_path, monkeypatch):
-    searched = base.search_coverage_examples(toy)
+    searched = coverage.search(toy)
     assert ids(fresh_examples(toy)) == ids(searched)
     assert len(cached_files(tmp_path)) == 1
 
     def no_search(spec):
         raise AssertionError("searched again although the cache was valid")
 
-    monkeypatch.setattr(base, "search_coverage_examples", no_search)
+    monkeypatch.setattr(coverage, "search", no_search)
     assert ids(fresh_examples(toy)) == ids(searched)
 
 
@@ -65,25 +61,26 @@ def test_an_unreadable_or_insufficient_cache_is_searched_again_and_rewritten(toy
 def test_the_key_changes_with_what_the_search_reads(toy, monkeypatch):
     import hypothesis
 
-    key = base.coverage_search_key(toy)
-    assert base.coverage_search_key(toy) == key
+    key = coverage.search_key(toy)
+    assert coverage.search_key(toy) == key
     with monkeypatch.context() as patch:
         patch.setattr(hypothesis, "__version__", hypothesis.__version__ + ".post1")
-        assert base.coverage_search_key(toy) != key
+        assert coverage.search_key(toy) != key
     with monkeypatch.context() as patch:
-        patch.setattr(type(toy), "coverage_classes", ("causal",))
-        assert base.coverage_search_key(toy) != key
+        patch.setattr(type(toy), "bug_classes", toy.bug_classes[:1])
+        assert coverage.search_key(toy) != key
 
 
 def test_none_turns_the_cache_off(toy, tmp_path, monkeypatch):
-    monkeypatch.setenv(base.COVERAGE_CACHE_ENV, base.CACHE_DISABLED)
-    assert base.coverage_cache_dir() is None
-    assert ids(fresh_examples(toy)) == ids(base.search_coverage_examples(toy))
+    monkeypatch.setenv(coverage.CACHE_ENV, coverage.CACHE_DISABLED)
+    assert coverage.cache_dir() is None
+    assert ids(fresh_examples(toy)) == ids(coverage.search(toy))
     assert not cached_files(tmp_path)
 
 
 @settings(max_examples=10, deadline=None)
 @given(data=st.data(), family=st.sampled_from(sorted(specs.all_specs())))
 def test_a_case_survives_the_cache_file_with_its_id(data, family):
-    case = data.draw(specs.all_specs()[family].cases())
-    assert base.Case.from_json(json.loads(json.dumps(case.to_json()))).id == case.id
+    spec = specs.all_specs()[family]
+    case = data.draw(spec.cases())
+    assert spec.case_from_json(json.loads(json.dumps(case.to_json()))) == case

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from attncheck.specs import all_specs, flash, make_case, ragged
+from attncheck.specs import all_specs, flash, ragged
 
 
-def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None):
-    return make_case(ragged.FAMILY, 0, seqs=seqs, sliding_window=window, num_q_heads=heads,
-                     num_queries_per_block=queries_per_block)
+def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None) -> ragged.RaggedParams:
+    return ragged.RaggedParams(dtype="float32", kv_dtype="float32", page_size=8, num_q_heads=heads, num_kv_heads=1,
+                               seqs=seqs, sliding_window=window, soft_cap=None, k_scale=None, v_scale=None,
+                               sm_scale=1.0, num_kv_pages_per_block=None, num_queries_per_block=queries_per_block,
+                               padding="repeat_last", values="normal")
 
 
 @pytest.mark.parametrize("seqs, window, heads, rises", [
@@ -45,11 +47,11 @@ def test_logit_classes_need_a_softmax_over_several_keys(seqs, window, several):
     assert ragged.some_query_sees_several_keys(ragged_case(seqs, window=window)) is several
 
 
-def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks):
+def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks) -> flash.FlashParams:
     sizes = {name: 1 if name == "block_b" else 128 for name in flash.BLOCK_FIELDS} | blocks
-    return make_case(flash.FAMILY, 0, q_len=q_len, kv_len=kv_len, causal=causal, bias=True,
-                     segments="packed" if segment_starts else "none", segment_starts=segment_starts,
-                     blocks=tuple(sizes.items()))
+    return flash.FlashParams(dtype="float32", batch=1, heads=1, q_len=q_len, kv_len=kv_len, head_dim=128,
+                             causal=causal, sm_scale=1.0, bias=True, segments="packed" if segment_starts else "none",
+                             segment_starts=segment_starts, values="normal", blocks=tuple(sizes.items()))
 
 
 def test_causal_skips_in_every_pass_needs_a_kv_block_past_the_first_q_tile_in_each():
@@ -76,6 +78,5 @@ def test_ring_segment_after_first_key_chunk():
     base = dict(dtype="float32", devices=1, seq_len=16, per_device=16, heads=1, head_dim=32, causal=False,
                 bias="none", segments="packed", float32_logits=False, values="normal", query_chunk_size=8,
                 key_chunk_size=8, dropout_rate=0.0)
-    assert "segment_after_first_key_chunk" in spec.classes(make_case(spec.name, 0, **base, segment_starts=(0, 8)))
-    assert "segment_after_first_key_chunk" not in spec.classes(make_case(spec.name, 0, **base,
-                                                                         segment_starts=(0, 7)))
+    assert "segment_after_first_key_chunk" in spec.classes(spec.case(0, **base, segment_starts=(0, 8)))
+    assert "segment_after_first_key_chunk" not in spec.classes(spec.case(0, **base, segment_starts=(0, 7)))

@@ -1,4 +1,4 @@
-"""The tolerance policy itself: it must pass what is as good as the baseline and fail the rest."""
+"""The tolerance policy itself: it must pass what is as good as the yardstick and fail the rest."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def problem(draw):
 
 @settings(max_examples=40)
 @given(problem())
-def test_kernel_as_good_as_baseline_passes(p):
-    dtype, oracle, baseline = p
-    cmp = numerics.compare(baseline, oracle, baseline, dtype=dtype, direction="out")
+def test_kernel_as_good_as_the_yardstick_passes(p):
+    dtype, oracle, yardstick = p
+    cmp = numerics.compare(yardstick, oracle, yardstick, dtype=dtype, direction="out")
     assert cmp.passed, cmp.reason
     assert cmp.budget <= 1 / numerics.R_OUTPUT + 1e-12
 
@@ -35,20 +35,20 @@ def test_kernel_as_good_as_baseline_passes(p):
 @settings(max_examples=40)
 @given(problem(), st.sampled_from(("out", "dq")))
 def test_error_past_the_allowance_fails(p, direction):
-    dtype, oracle, baseline = p
-    cmp0 = numerics.compare(baseline, oracle, baseline, dtype=dtype, direction=direction)
+    dtype, oracle, yardstick = p
+    cmp0 = numerics.compare(yardstick, oracle, yardstick, dtype=dtype, direction=direction)
     kernel = oracle.copy()
     kernel.flat[0] += 1.01 * cmp0.allowed * (1 if kernel.flat[0] >= 0 else -1)
-    cmp = numerics.compare(kernel, oracle, baseline, dtype=dtype, direction=direction)
+    cmp = numerics.compare(kernel, oracle, yardstick, dtype=dtype, direction=direction)
     assert not cmp.passed and cmp.budget > 1
     assert cmp.worst_index == tuple(int(i) for i in np.unravel_index(0, oracle.shape))
 
 
-def test_zero_baseline_error_is_not_impossible():
+def test_zero_yardstick_error_is_not_impossible():
     oracle = np.array([1.0, -2.0, 0.5])
     kernel = (oracle + np.array([1, 0, 0]) * numerics.dtype_eps(np.float32)).astype(np.float32)
     cmp = numerics.compare(kernel, oracle, oracle, dtype=np.float32, direction="out")
-    assert cmp.baseline_err == 0 and cmp.passed, cmp.reason
+    assert cmp.yardstick_err == 0 and cmp.passed, cmp.reason
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

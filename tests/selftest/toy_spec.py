@@ -27,6 +27,7 @@ If ``ATTNCHECK_TOY_CALL_LOG`` names a file, every executed case appends one line
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -40,9 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import baseline, oracle
+from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
-from attncheck.specs.base import Case, InvalidCall, KernelSpec, make_case
+from attncheck.cases import Case, Params
+from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "toy_attention"
 SEQ_LENS = (8, 16)
@@ -144,11 +147,31 @@ def toy_attention_hang(q, k, v, *, causal: bool, sm_scale: float):
 
 
 # ---------------------------------------------------------------------- the spec
+@dataclasses.dataclass(frozen=True)
+class ToyParams(Params):
+    dtype: str
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    causal: bool
+    sm_scale: float
+
+    @property
+    def sequence_length(self) -> int:
+        return self.seq_len
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.batch, self.heads, self.seq_len, self.head_dim
+
+
 @st.composite
-def toy_cases(draw) -> Case:
-    return make_case(FAMILY, draw(S.seeds), dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=BATCH,
-                     heads=HEADS, seq_len=draw(st.sampled_from(SEQ_LENS)), head_dim=HEAD_DIM,
-                     causal=draw(st.booleans()), sm_scale=SM_SCALE)
+def toy_cases(draw, family: str = FAMILY) -> Case[ToyParams]:
+    seed = draw(S.seeds)
+    return Case(family, ToyParams(dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=BATCH, heads=HEADS,
+                                  seq_len=draw(st.sampled_from(SEQ_LENS)), head_dim=HEAD_DIM,
+                                  causal=draw(st.booleans()), sm_scale=SM_SCALE), seed)
 
 
 def _log_call(impl, case: Case) -> None:
@@ -158,80 +181,59 @@ def _log_call(impl, case: Case) -> None:
             fh.write(f"{os.getpid()} {impl.__module__}:{impl.__qualname__} {case.id}\n")
 
 
-def _forward_and_grads(forward, q, k, v, d_out):
-    out, vjp = jax.vjp(forward, q, k, v)
-    return (out, *vjp(d_out.astype(out.dtype)))
-
-
-# One compiled fwd+vjp per implementation and static configuration.
-_JITTED: dict = {}
-
-
-class ToySpec(KernelSpec):
+class ToySpec(KernelSpec[ToyParams]):
     name = FAMILY
     # Three implementations: with the two invalid-call tests, xdist's initial chunks of two
     # tests put gate tests on two workers, so a -n 2 merge really joins several files.
     default_impls = {"builtin": "tests.selftest.toy_spec:toy_attention",
                      "lse": "tests.selftest.toy_spec:toy_attention_lse",
                      "chunked": "tests.selftest.toy_spec:toy_attention_chunked"}
+    params_type = ToyParams
     backends = ("xla",)
-    coverage_classes = ("causal", "bf16")
+    bug_classes = coverage.bug_classes(causal=lambda p: p.causal, bf16=lambda p: p.dtype == "bfloat16")
     examples = {"xla": 4}
 
     def cases(self):
-        return toy_cases()
+        return toy_cases(self.name)
 
-    def inputs(self, case: Case) -> dict[str, np.ndarray]:
+    def inputs(self, case):
         rng = np.random.default_rng(case.seed)
-        dt = S.dtype_of(case["dtype"])
-        shape = (case["batch"], case["heads"], case["seq_len"], case["head_dim"])
-        return {name: S.round_to(rng.standard_normal(shape), dt) for name in ("q", "k", "v", "d_out")}
+        dt = S.dtype_of(case.params.dtype)
+        return {name: S.round_to(rng.standard_normal(case.params.shape), dt) for name in ("q", "k", "v", "d_out")}
 
-    def _forward(self, impl, case):
-        return functools.partial(impl, causal=case["causal"], sm_scale=case["sm_scale"])
+    @staticmethod
+    def _forward(impl, p: ToyParams):
+        return functools.partial(impl, causal=p.causal, sm_scale=p.sm_scale)
 
     def run(self, impl, case, inputs):
         _log_call(impl, case)
-        operands = [inputs[n] for n in ("q", "k", "v", "d_out")]
-        if getattr(impl, "toy_eager", False):  # really call the implementation for every case
-            results = _forward_and_grads(self._forward(impl, case), *operands)
-        else:
-            key = (impl.__module__, impl.__qualname__, case["dtype"], case["batch"], case["heads"],
-                   case["seq_len"], case["head_dim"], case["causal"], case["sm_scale"])
-            fn = _JITTED.get(key)
-            if fn is None:
-                fn = _JITTED[key] = jax.jit(functools.partial(_forward_and_grads, self._forward(impl, case)))
-            results = fn(*operands)
-        return {n: np.asarray(x) for n, x in zip(DIRECTIONS, results)}
+        primals = [inputs[n] for n in ("q", "k", "v")]
+        forward_and_vjp = with_vjp(self._forward(impl, case.params))
+        if not getattr(impl, "toy_eager", False):  # eager: really call the implementation for every case
+            forward_and_vjp = compiled(("toy", impl_key(impl), case.params), lambda f=forward_and_vjp: f)
+        out, grads = forward_and_vjp(primals, inputs["d_out"])
+        return {n: np.asarray(x) for n, x in zip(DIRECTIONS, (out, *grads))}
 
     def lower(self, impl, case):
-        forward = self._forward(impl, case)
-        shape = (case["batch"], case["heads"], case["seq_len"], case["head_dim"])
-        struct = jax.ShapeDtypeStruct(shape, S.dtype_of(case["dtype"]))
-
-        def export(fn, n):
-            return lambda: jax.export.export(jax.jit(fn), platforms=["tpu"])(*[struct] * n)
-
-        return {"lower-fwd": export(forward, 3),
-                "lower-grad": export(functools.partial(_forward_and_grads, forward), 4)}
+        struct = jax.ShapeDtypeStruct(case.params.shape, S.dtype_of(case.params.dtype))
+        return backends.tpu_exports(self._forward(impl, case.params), [struct] * 3, struct, device_kind=None)
 
     def oracle(self, case, inputs):
+        p = case.params
         args = (inputs["q"], inputs["k"], inputs["v"])
-        sem = dict(scale=case["sm_scale"], causal=case["causal"], masked_rows="zero")
+        sem = dict(scale=p.sm_scale, causal=p.causal, masked_rows="zero")
         grads = oracle.attention_vjp(*args, inputs["d_out"], **sem)
         return {"out": oracle.attention(*args, **sem).out, "dq": grads["dq"], "dk": grads["dk"], "dv": grads["dv"]}
 
-    def baseline(self, case, inputs):
-        positions = np.arange(case["seq_len"])
-        visible = baseline.visibility(positions, positions, causal=case["causal"])
-        return baseline.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
-                                             scale=case["sm_scale"], visible=visible, masked_rows="zero")
+    def yardstick(self, case, inputs):
+        p = case.params
+        positions = np.arange(p.seq_len)
+        visible = yardstick.visibility(positions, positions, causal=p.causal)
+        return yardstick.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
+                                              scale=p.sm_scale, visible=visible, masked_rows="zero")
 
     def output_dtypes(self, case):
-        return {d: S.dtype_of(case["dtype"]) for d in DIRECTIONS}
-
-    def classes(self, case):
-        return [tag for tag, on in (("bf16", case["dtype"] == "bfloat16"), ("causal", case["causal"])) if on]
+        return {d: S.dtype_of(case.params.dtype) for d in DIRECTIONS}
 
     def index_names(self, direction):
         return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
@@ -254,20 +256,19 @@ SPEC = ToySpec()
 
 
 # ---------------------------------------------------------------------- self-test harness
-# Runs the project's own gate test module (tests/gate) on the toy family in a pytester
-# directory, in a subprocess (xdist needs one).
+# Runs the packaged gate (attncheck.gate) on the toy family in a pytester directory, in a
+# subprocess (xdist needs one).
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-GATE_FILES = ("tests/gate/test_gate.py", "tests/gate/conftest.py")
 SPEC_MODULE = "tests.selftest.toy_spec"
-GATE_ARGS = ("-p", "no:randomly", "--hypothesis-profile=ci", f"--attncheck-spec={SPEC_MODULE}",
-             "--attncheck-only-spec")
+GATE_ARGS = ("--pyargs", "attncheck.gate", "-p", "no:randomly", "--hypothesis-profile=ci",
+             f"--attncheck-spec={SPEC_MODULE}", "--attncheck-only-spec")
+# The generic gate's node ids seen from a directory outside the package.
+GATE_TEST = "test_gate.py::test_kernel_matches_oracle"
 # Shared by every toy run: the second run of a shape skips XLA's compile.
 JAX_CACHE = REPO_ROOT / ".jax_cache" / "selftest-toy"
 RUN_TIMEOUT_S = 240
 INI = """[pytest]
 timeout_method = signal
-markers =
-    gate: the pull-request gate
 """
 
 
@@ -276,10 +277,7 @@ def impl_option(name: str) -> str:
 
 
 def setup_gate_dir(pytester, monkeypatch) -> pathlib.Path:
-    """Copy the gate test module (read now, so it stays in sync) and point the environment
-    of the runs at the repository and the toy spec."""
-    for rel in GATE_FILES:
-        (pytester.path / pathlib.Path(rel).name).write_text((REPO_ROOT / rel).read_text())
+    """Point the environment of the runs at the repository and the toy spec."""
     pytester.makeini(INI)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))

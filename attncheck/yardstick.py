@@ -1,4 +1,4 @@
-"""The naive XLA attention in the kernel's working precision: the yardstick of the policy.
+"""The yardstick: naive XLA attention in the kernel's working precision.
 
 It is what a careful user would write without a kernel: logits accumulated in float32 from
 inputs in their own dtype, a float32 softmax, probabilities rounded to the value dtype for

@@ -1,0 +1,47 @@
+"""Compiled forward + VJP callables, one per static configuration, shared by the specs.
+
+Tracing and compiling an interpret-mode kernel costs seconds; the values of a case
+(inputs, seeds, ragged metadata) are traced data, so every case of one static
+configuration reuses one executable. A spec names what forces a new program in its key
+(never a traced parameter: that would compile per case for nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+
+_COMPILED: dict[Hashable, Callable] = {}
+
+
+def impl_key(impl: Callable) -> tuple[str | None, str | None]:
+    """What identifies an implementation in a cache key."""
+    return getattr(impl, "__module__", None), getattr(impl, "__qualname__", None)
+
+
+def compiled(key: Hashable, build: Callable[[], Callable]) -> Callable:
+    """``jax.jit(build())``, built once per key (the interpret-mode settings of the
+    backend a case runs under are part of jit's own cache key)."""
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = jax.jit(build())
+    return fn
+
+
+def with_vjp(forward: Callable[..., Any]) -> Callable:
+    """``run(primals, cotangent, *rest) -> (out, grads)``: ``forward(*primals, *rest)`` and
+    the gradients of its primals for the cotangent (cast to the output's dtype, so that an
+    output in the wrong dtype is judged by the gate instead of failing in the pullback)."""
+
+    def run(primals, cotangent, *rest):
+        out, vjp = jax.vjp(lambda *p: forward(*p, *rest), *primals)
+        if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+            raise TypeError(f"the implementation returned {type(out).__name__}, expected an array")
+        if out.shape != cotangent.shape:
+            raise ValueError(f"shapes differ: the implementation returned an output of shape {out.shape}, "
+                             f"expected {cotangent.shape}")
+        return out, vjp(cotangent.astype(out.dtype))
+
+    return run

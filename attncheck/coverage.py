@@ -1,0 +1,217 @@
+"""Coverage of bug classes: the classes, their guaranteed examples, and the coverage table.
+
+A bug class names the condition under which a kind of kernel bug becomes observable (a
+softmax over several keys, segment ids that differ between tiles, a running max that
+rises in a later block), declared once per family as a named predicate over the case's
+parameters. For each class of a family the gate runs the simplest case that exercises
+it (its *coverage examples*), found by a derandomized hypothesis search over the
+family's case strategy alone (no kernel runs), kept on disk, and split into tests of a
+few examples each; ``--attncheck-require-coverage`` fails a run in which an applicable
+class has no case.
+
+The search result could be replayed from hypothesis' example database instead, but that
+stores choice sequences per test function that must be replayed (and re-shrunk) in every
+process, while the gate needs the cases themselves, identical in every xdist worker and
+every mutant's copy, before its first test: a JSON file of cases keyed by a hash of what
+the search reads is the smaller mechanism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from attncheck.cases import Case, Params
+
+if TYPE_CHECKING:
+    from attncheck.report.records import Record
+    from attncheck.specs.base import KernelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class BugClass:
+    """A kind of bug and the case condition that makes it observable."""
+
+    name: str
+    applies: Callable[[Params], bool]
+
+
+def bug_classes(**predicates: Callable[[Params], bool]) -> tuple[BugClass, ...]:
+    """``bug_classes(causal=lambda p: p.causal, ...)``: classes in declaration order."""
+    return tuple(BugClass(name, predicate) for name, predicate in predicates.items())
+
+
+def exercised(classes: Iterable[BugClass], params: Params) -> list[str]:
+    """Names of the classes a case's parameters exercise, sorted."""
+    return sorted(c.name for c in classes if c.applies(params))
+
+
+# ------------------------------------------------------------------ the examples
+def examples(spec: KernelSpec) -> list[Case]:
+    """For each bug class of the spec, the simplest case that exercises it.
+
+    The same list on every run and in every process (derandomized search, then the
+    on-disk cache), which is what guarantees every class a nonzero count in every report.
+    """
+    return _examples(spec)
+
+
+# The search takes seconds per family, and every xdist worker and every mutant's gate
+# would repeat it at collection, before its first test. Its result depends only on the
+# spec's and attncheck's source and on hypothesis, so it is kept on disk under a hash of
+# them. "none" turns the cache off.
+CACHE_ENV = "ATTNCHECK_CACHE_DIR"
+DEFAULT_CACHE_DIR = ".attncheck_cache"
+CACHE_DISABLED = "none"
+_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def cache_root_setting() -> str:
+    """The cache root the environment asks for, as an absolute path (so that a copy of the
+    project run elsewhere shares it), or "none"."""
+    chosen = os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
+    return chosen if chosen == CACHE_DISABLED else str(pathlib.Path(chosen).resolve())
+
+
+def cache_dir() -> pathlib.Path | None:
+    root = cache_root_setting()
+    return None if root == CACHE_DISABLED else pathlib.Path(root) / "coverage"
+
+
+@functools.cache
+def _package_source_digest() -> str:
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_PACKAGE_ROOT.rglob("*.py")))).hexdigest()
+
+
+def search_key(spec: KernelSpec) -> str:
+    """A hash of everything the search reads: attncheck's source (strategies, built-in
+    specs), the spec's own module, hypothesis' version and the classes asked for."""
+    import hypothesis
+
+    names = tuple(c.name for c in spec.bug_classes)
+    digest = hashlib.sha256(f"{hypothesis.__version__}|{spec.name}|{names}|{_package_source_digest()}".encode())
+    digest.update(pathlib.Path(inspect.getfile(type(spec))).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _load_cached(path: pathlib.Path, spec: KernelSpec) -> list[Case] | None:
+    """The cached examples, or None when absent, unreadable or no longer covering every
+    class (a spec helper outside the hashed files changed): the search then runs again."""
+    try:
+        cases = [spec.case_from_json(c) for c in json.loads(path.read_text())]
+        if any(c.family != spec.name for c in cases):
+            return None
+        covered = {name for case in cases for name in spec.classes(case)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cases if covered >= set(spec.class_names) else None
+
+
+def _store(path: pathlib.Path, cases: list[Case]) -> None:
+    # Written whole then renamed: two workers searching at once never leave half a file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        json.dump([c.to_json() for c in cases], tmp)
+    os.replace(tmp.name, path)
+
+
+@functools.cache
+def _examples(spec: KernelSpec) -> list[Case]:
+    directory = cache_dir()
+    path = None if directory is None else directory / f"{spec.name}-{search_key(spec)}.json"
+    cached = None if path is None else _load_cached(path, spec)
+    if cached is not None:
+        return cached
+    found = search(spec)
+    if path is not None:
+        _store(path, found)
+    return found
+
+
+def search(spec: KernelSpec) -> list[Case]:
+    """Shrink toward the simplest case of each class not yet exercised by an earlier find."""
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    budget = settings(database=None, derandomize=True, max_examples=3000, deadline=None,
+                      phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
+    found: dict[str, Case] = {}
+    for cls in spec.bug_classes:
+        if any(cls.applies(c.params) for c in found.values()):
+            continue
+        found[cls.name] = find(spec.cases(), lambda c, cls=cls: cls.applies(c.params), settings=budget)
+    return list({c.id: c for c in found.values()}.values())
+
+
+# ------------------------------------------------------------------ the splits
+# A family's coverage examples are split into tests of at most this many, so that xdist
+# spreads one family's coverage over every worker instead of queueing it behind another
+# family's on one worker: under -x, a bug that only a family's last examples show was found
+# 64-76 s into the run with the flash coverage as one test.
+EXAMPLES_PER_TEST = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """The index-th of count coverage tests of a family."""
+
+    index: int
+    count: int
+
+    @property
+    def suffix(self) -> str:
+        return "" if self.count == 1 else f"{self.index + 1}of{self.count}"
+
+    def of(self, cases: list[Case]) -> list[Case]:
+        """This test's examples: the index-th of count contiguous runs."""
+        n = len(cases)
+        return cases[self.index * n // self.count:(self.index + 1) * n // self.count]
+
+
+def shares(example_count: int) -> list[Share]:
+    count = max(1, -(-example_count // EXAMPLES_PER_TEST))
+    return [Share(index, count) for index in range(count)]
+
+
+# ------------------------------------------------------------------ the table
+@dataclasses.dataclass
+class ClassCount:
+    cases: int = 0
+    failures: int = 0
+
+
+def table(records: list[Record], applicable: Mapping[str, tuple[str, ...]]) -> dict[str, dict[str, ClassCount]]:
+    """kernel -> class -> cases that exercised it (one per case and backend) and how many
+    of those failed. Kernels with no record are left out; applicable classes with no case
+    are listed with 0."""
+    result: dict[str, dict[str, ClassCount]] = {}
+    for kernel, classes in applicable.items():
+        if any(r.kernel == kernel for r in records):
+            result[kernel] = {c: ClassCount() for c in classes}
+    passed: dict[tuple, bool] = {}
+    classes_of: dict[tuple, list[str]] = {}
+    for r in records:
+        key = (r.kernel, r.case_id, r.backend)
+        passed[key] = passed.get(key, True) and r.outcome == "pass"
+        classes_of.setdefault(key, r.classes)
+    for key, names in classes_of.items():
+        for name in names:
+            count = result.setdefault(key[0], {}).setdefault(name, ClassCount())
+            count.cases += 1
+            count.failures += not passed[key]
+    return result
+
+
+def missing(counts: Mapping[str, Mapping[str, ClassCount]],
+            applicable: Mapping[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """kernel -> applicable classes no case exercised."""
+    holes = {kernel: [c for c, n in classes.items() if n.cases == 0 and c in applicable.get(kernel, ())]
+             for kernel, classes in counts.items()}
+    return {kernel: names for kernel, names in holes.items() if names}
