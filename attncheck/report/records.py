@@ -1,110 +1,300 @@
-"""Per-worker record files and their merge.
+"""Records: one per comparison, written per worker, validated and merged per run.
 
 Each pytest process (the xdist controller or a worker) appends JSON lines to its own file
 ``<report>/records/<run_id>-<worker>.jsonl``, so parallel workers never share a file and
-never clobber each other. Only the controller merges, at session end; a run that died
-leaves its files behind and ``attncheck report`` can still merge them (marked incomplete).
+never clobber each other; before each case it also appends a *started* marker to
+``<run_id>-<worker>.started``. Only the controller merges, at session end, and only its own
+run's files: every line is validated against ``schema.json``, and every started case
+without a record (the worker crashed, the process was killed, the case hung) becomes an
+error record naming the case and its reproducer. A run that died leaves its files behind;
+``attncheck report --run RUN_ID`` merges them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
-import os
+import math
 import pathlib
 import resource
 import time
+from collections.abc import Mapping
+from typing import Any
 
-SCHEMA_VERSION = 1
+from attncheck.numerics import Comparison
+
+SCHEMA_VERSION = 2
 RECORDS_DIR = "records"
+RECORDS_SUFFIX = ".jsonl"
+STARTED_SUFFIX = ".started"
 # Kernel time a test measured itself because it makes no comparison record (the
 # ``attncheck_kernel_time`` fixture), one number per line in a per-worker file next to the
 # records; the bench counts it as kernel time. Not a junit.xml property: properties of a
 # test case are invalid in the xunit2 format CI systems read.
 KERNEL_TIME_SUFFIX = ".kernel_s"
+# The run's own description, written when it starts (``RunInfo``).
+RUN_SUFFIX = ".run.json"
+OUTCOMES = ("pass", "fail", "error")
 
 
-def kernel_times_outside_records(report_dir: pathlib.Path, run_id: str) -> list[float]:
-    files = sorted((pathlib.Path(report_dir) / RECORDS_DIR).glob(f"{run_id}-*{KERNEL_TIME_SUFFIX}"))
-    return [float(line) for f in files for line in f.read_text(encoding="utf-8").split()]
+@dataclasses.dataclass(frozen=True)
+class CaseRun:
+    """What identifies one case of one implementation on one backend, and how to rerun it:
+    the part of a record known before the case runs (the started marker)."""
+
+    case_id: str
+    case: Mapping[str, Any]  # Case.to_json()
+    kernel: str
+    impl: str
+    impl_ref: str
+    backend: str
+    backend_settings: Mapping[str, Any]
+    dtype: str
+    seq_len: int
+    device_count: int
+    classes: tuple[str, ...]
+    repro: str
+    nodeid: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(CaseRun)}
+        out["classes"] = list(self.classes)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CaseRun:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (tuple(v) if k == "classes" else v) for k, v in data.items() if k in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class Record(CaseRun):
+    """The verdict of one direction (output, gradient, lowering) of a case, or ``all``
+    when the case failed before any comparison."""
+
+    direction: str = "all"
+    outcome: str = "error"  # one of OUTCOMES
+    reason: str = ""
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    metrics: Comparison | None = None
+    traceback: str | None = None
+    # Stamped by the writer.
+    run_id: str = ""
+    worker: str = ""
+    worker_peak_rss_mb: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    @property
+    def budget(self) -> float:
+        """err / allowed of the comparison (> 1 fails); a record without numbers ranks as
+        0 when it passed (a lowering) and as infinitely bad when it did not."""
+        if self.metrics is not None:
+            return self.metrics.budget
+        return 0.0 if self.passed else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        for f in dataclasses.fields(Record):
+            if f.name not in out:
+                out[f.name] = getattr(self, f.name)
+        out["timings"] = dict(self.timings)
+        out["metrics"] = None if self.metrics is None else self.metrics.to_json()
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Record:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["classes"] = tuple(values.get("classes", ()))
+        if values.get("metrics") is not None:
+            values["metrics"] = Comparison.from_json(values["metrics"])
+        return cls(**values)
+
+    @property
+    def key(self) -> tuple:
+        return (self.kernel, self.impl, self.backend, self.case_id, self.direction, self.nodeid)
+
+
+# ------------------------------------------------------------------ writing
+def _append(path: pathlib.Path, line: str) -> None:
+    # One write per complete line, flushed: an interrupted run loses at most the line
+    # being written, never corrupts earlier ones.
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+        fh.flush()
 
 
 class RecordWriter:
+    """One process's record, marker and kernel-time files of a run."""
+
     def __init__(self, report_dir: pathlib.Path, run_id: str, worker: str):
-        self.path = pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}-{worker}.jsonl"
+        self.path = pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}-{worker}{RECORDS_SUFFIX}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
         self.worker = worker
 
-    def write(self, record: dict) -> None:
+    def started(self, case_run: CaseRun) -> None:
+        """Say a case is about to run: if no record of it follows, the merge reports it."""
+        _append(self.path.with_suffix(STARTED_SUFFIX), json.dumps(case_run.to_json(), sort_keys=True))
+
+    def write(self, record: Record) -> None:
         # ru_maxrss is in KiB on Linux: the worker's peak so far, for the benchmark.
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        record = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, "worker": self.worker,
-                  "worker_peak_rss_mb": round(peak_mb, 1), **record}
-        line = json.dumps(record, sort_keys=True, allow_nan=False)
-        # One write per complete line, flushed: an interrupted run loses at most the line
-        # being written, never corrupts earlier ones.
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
-            fh.flush()
+        record = dataclasses.replace(record, run_id=self.run_id, worker=self.worker,
+                                     worker_peak_rss_mb=round(peak_mb, 1))
+        _append(self.path, json.dumps(record.to_json(), sort_keys=True, allow_nan=False))
 
     def write_kernel_time(self, seconds: float) -> None:
-        with open(self.path.with_suffix(KERNEL_TIME_SUFFIX), "a", encoding="utf-8") as fh:
-            fh.write(f"{seconds:.4f}\n")
+        _append(self.path.with_suffix(KERNEL_TIME_SUFFIX), f"{seconds:.4f}")
 
 
-# Another run's record file untouched this long belongs to a finished or dead run. A live
-# run writes at least once per test, and a test times out after 900 s (pyproject.toml).
+def run_files(report_dir: pathlib.Path, run_id: str, suffix: str) -> list[pathlib.Path]:
+    return sorted((pathlib.Path(report_dir) / RECORDS_DIR).glob(f"{run_id}-*{suffix}"))
+
+
+def kernel_times_outside_records(report_dir: pathlib.Path, run_id: str) -> list[float]:
+    return [float(line) for f in run_files(report_dir, run_id, KERNEL_TIME_SUFFIX)
+            for line in f.read_text(encoding="utf-8").split()]
+
+
+# ------------------------------------------------------------------ the run
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What a run was asked to verify, written when it starts: a merge done later (of a
+    run that died) knows its start, its arguments and its targets."""
+
+    run_id: str
+    started: float  # time.time()
+    args: tuple[str, ...] = ()
+
+    def write(self, report_dir: pathlib.Path) -> None:
+        path = pathlib.Path(report_dir) / RECORDS_DIR / f"{self.run_id}{RUN_SUFFIX}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def read(cls, report_dir: pathlib.Path, run_id: str) -> RunInfo | None:
+        try:
+            data = json.loads((pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}{RUN_SUFFIX}").read_text())
+            return cls(data["run_id"], float(data["started"]), tuple(data.get("args", ())))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def run_ids(report_dir: pathlib.Path) -> list[str]:
+    """The runs that left files in a report directory, oldest first."""
+    directory = pathlib.Path(report_dir) / RECORDS_DIR
+    started = {p.name[:-len(RUN_SUFFIX)]: p.stat().st_mtime for p in directory.glob(f"*{RUN_SUFFIX}")}
+    return sorted(started, key=started.get)
+
+
+def last_activity(report_dir: pathlib.Path, run_id: str) -> float | None:
+    """When the run last wrote anything (for the wall time of a run merged after it died)."""
+    times = [p.stat().st_mtime for p in (pathlib.Path(report_dir) / RECORDS_DIR).glob(f"{run_id}*")]
+    return max(times, default=None)
+
+
+# Another run's files untouched this long belong to a finished or dead run. A live run
+# writes at least once per case, and a test times out after 900 s (pyproject.toml).
 STALE_AFTER_S = 3600
 
 
 def clear_stale_records(report_dir: pathlib.Path, run_id: str) -> None:
-    """Remove other runs' record files that nothing has written for STALE_AFTER_S.
+    """Remove other runs' files that nothing has written for STALE_AFTER_S.
 
-    Never at the start of a run and never a recent file: a second run sharing the
-    directory writes in bursts, minutes apart, and must not lose records to this one
-    (measured: a short run ending mid-gate deleted the gate's files when the rule was
-    'older than this run's start').
+    Never at the start of a run and never a recent file: a run that died and is to be
+    merged later (``attncheck report --run``) keeps its files for an hour.
     """
-    records = pathlib.Path(report_dir) / RECORDS_DIR
-    if records.is_dir():
+    directory = pathlib.Path(report_dir) / RECORDS_DIR
+    if directory.is_dir():
         horizon = time.time() - STALE_AFTER_S
-        for f in [*records.glob("*.jsonl"), *records.glob(f"*{KERNEL_TIME_SUFFIX}")]:
-            if not f.name.startswith(run_id + "-") and f.stat().st_mtime < horizon:
+        for f in directory.iterdir():
+            if not f.name.startswith(run_id) and f.stat().st_mtime < horizon:
                 f.unlink(missing_ok=True)
 
 
-def read_records(report_dir: pathlib.Path, run_id: str | None = None) -> tuple[list[dict], list[str]]:
-    """All records of a run (the newest run if ``run_id`` is None), and problems found."""
-    files = sorted((pathlib.Path(report_dir) / RECORDS_DIR).glob("*.jsonl"))
-    if run_id is None and files:
-        run_id = max(files, key=os.path.getmtime).name.split("-")[0]
-    records, problems = [], []
-    for f in files:
-        if run_id is not None and not f.name.startswith(run_id + "-"):
+# ------------------------------------------------------------------ reading
+@functools.cache
+def _validator():
+    import jsonschema
+
+    schema = json.loads((pathlib.Path(__file__).parent / "schema.json").read_text())
+    return jsonschema.Draft202012Validator(
+        {"$schema": schema["$schema"], "$defs": schema["$defs"], "$ref": "#/$defs/record"})
+
+
+def _lines(path: pathlib.Path, problems: list[str]):
+    """(line number, parsed JSON) of a file's lines; truncated or undecodable lines are problems."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        problems.append(f"{path.name}: not UTF-8 ({exc}); its records are ignored")
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
             continue
-        for lineno, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError:
+            problems.append(f"{path.name}:{lineno}: truncated line (interrupted write)")
+
+
+def read_records(report_dir: pathlib.Path, run_id: str) -> tuple[list[Record], list[str]]:
+    """A run's records, each validated against the schema, and the problems found (lines
+    that are truncated, invalid, or of another schema version)."""
+    records, problems = [], []
+    for path in run_files(report_dir, run_id, RECORDS_SUFFIX):
+        for lineno, data in _lines(path, problems):
+            error = next(iter(_validator().iter_errors(data)), None)
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path) or "record"
+                problems.append(f"{path.name}:{lineno}: invalid record ({where}: {error.message[:200]})")
                 continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                problems.append(f"{f.name}:{lineno}: truncated record (interrupted write)")
-    records.sort(key=record_key)
+            records.append(Record.from_json(data))
+    records.sort(key=lambda r: r.key)
     return records, problems
 
 
-def record_key(record: dict) -> tuple:
-    return (record.get("kernel", ""), record.get("impl", ""), record.get("backend", ""),
-            record.get("case_id", ""), record.get("direction", ""), record.get("nodeid", ""))
+def read_started(report_dir: pathlib.Path, run_id: str) -> tuple[list[tuple[str, CaseRun]], list[str]]:
+    """The started markers of a run, each with the worker that wrote it."""
+    started, problems = [], []
+    for path in run_files(report_dir, run_id, STARTED_SUFFIX):
+        worker = path.name[len(run_id) + 1:-len(STARTED_SUFFIX)]
+        for lineno, data in _lines(path, problems):
+            try:
+                started.append((worker, CaseRun.from_json(data)))
+            except TypeError as exc:
+                problems.append(f"{path.name}:{lineno}: invalid started marker ({exc})")
+    return started, problems
 
 
+def unfinished(run_id: str, started: list[tuple[str, CaseRun]], records: list[Record],
+               fates: Mapping[str, str]) -> list[Record]:
+    """An error record for every case that started and never produced a record; ``fates``
+    says what happened to each test that failed (nodeid -> pytest's reason)."""
+    finished = {(r.nodeid, r.case_id, r.impl, r.backend) for r in records}
+    lost: dict[tuple, Record] = {}
+    for worker, marker in started:
+        key = (marker.nodeid, marker.case_id, marker.impl, marker.backend)
+        if key in finished or key in lost:
+            continue
+        fate = fates.get(marker.nodeid) or "the run ended (killed or crashed) before the case finished"
+        lost[key] = Record(**{f.name: getattr(marker, f.name) for f in dataclasses.fields(CaseRun)},
+                           direction="all", outcome="error", reason=f"case started but never finished: {fate}",
+                           run_id=run_id, worker=worker)
+    return list(lost.values())
 
-def duplicates(records) -> list[tuple]:
+
+def duplicates(records: list[Record]) -> list[tuple]:
     """Keys that occur more than once: a merge must produce none."""
     seen, dup = set(), []
     for r in records:
-        key = record_key(r)
-        if key in seen:
-            dup.append(key)
-        seen.add(key)
+        if r.key in seen:
+            dup.append(r.key)
+        seen.add(r.key)
     return dup

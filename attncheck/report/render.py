@@ -1,208 +1,42 @@
-"""Merge records into report.json, report.md and report.html (self-contained, inline SVG)."""
+"""Render a merged report: report.json, report.md (also the CI step summary) and
+report.html (self-contained, inline SVG)."""
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 import math
 import os
 import pathlib
+import re
+import tempfile
 from collections import defaultdict
 
-from attncheck.report import records as rec
+from attncheck.report.model import PASS, Report
 
-# A budget may grow this much past the accepted baseline before the gate calls it a
-# numerics regression: budgets of passing cases wobble with the drawn inputs.
-REGRESSION_FACTOR = 1.5
-# Budgets below this are within the run-to-run spread of worst cases (measured: the same
-# code gave flash bf16 dk 0.139 under ./dev gate and 0.242 under ./dev test, whose drawn
-# flash cases differ in 17 of 37); growth is judged from this level up.
-REGRESSION_FLOOR = 1 / 3
+REPORT_FILES = ("report.json", "report.md", "report.html")
 
 
-@dataclasses.dataclass
-class ReportResult:
-    report: dict
-    problems: list[str]
-
-
-def _budget(record: dict) -> float:
-    value = record.get("budget")
-    if value is None:
-        return 0.0 if record["outcome"] == "pass" else math.inf
-    return float(value)
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    groups = defaultdict(list)
-    for r in records:
-        groups[(r["kernel"], r["impl"], r["backend"], r.get("dtype", ""), r["direction"])].append(r)
-    rows = []
-    for (kernel, impl, backend, dtype, direction), rs in sorted(groups.items()):
-        worst = max(rs, key=_budget)
-        rows.append({"kernel": kernel, "impl": impl, "backend": backend, "dtype": dtype,
-                     "direction": direction, "cases": len({r["case_id"] for r in rs}),
-                     "comparisons": len(rs),
-                     "failures": sum(r["outcome"] != "pass" for r in rs),
-                     "worst_budget": _budget(worst), "worst_case": worst["case_id"],
-                     "worst_repro": worst["repro"]})
-    return rows
-
-
-def coverage(records: list[dict], applicable: dict[str, tuple[str, ...]]) -> dict[str, dict[str, dict]]:
-    """kernel -> class -> {cases, failures}: which bug classes this run exercised."""
-    table: dict[str, dict[str, dict]] = {}
-    for kernel, classes in applicable.items():
-        if any(r["kernel"] == kernel for r in records):
-            table[kernel] = {c: {"cases": 0, "failures": 0} for c in classes}
-    seen: dict[tuple, bool] = {}
-    for r in records:
-        key = (r["kernel"], r["case_id"], r["backend"])
-        seen[key] = seen.get(key, True) and r["outcome"] == "pass"
-        for c in r.get("classes", []):
-            table.setdefault(r["kernel"], {}).setdefault(c, {"cases": 0, "failures": 0})
-    counted = set()
-    for r in records:
-        key = (r["kernel"], r["case_id"], r["backend"])
-        if key in counted:
-            continue
-        counted.add(key)
-        for c in r.get("classes", []):
-            table[r["kernel"]][c]["cases"] += 1
-            table[r["kernel"]][c]["failures"] += not seen[key]
-    return table
-
-
-def _accepted_impl(impl: str) -> str:
-    # A user's implementation (--attncheck-impl) is held to the built-in one's budgets.
-    return "builtin" if impl == "user" else impl
-
-
-def regressions(rows: list[dict], baseline: dict, floor: float = REGRESSION_FLOOR) -> list[str]:
-    """Budgets that grew past the accepted ones. Keyed by implementation too: a family's
-    implementations differ legitimately (e.g. blockwise vs one-shot reductions), so each
-    is compared with its own accepted budget, never with another's."""
-    accepted = {(b["kernel"], b.get("impl", "builtin"), b["backend"], b["dtype"], b["direction"]): b["worst_budget"]
-                for b in baseline.get("budgets", [])}
-    found = []
-    for row in rows:
-        key = (row["kernel"], _accepted_impl(row["impl"]), row["backend"], row["dtype"], row["direction"])
-        if key in accepted and row["worst_budget"] > REGRESSION_FACTOR * max(accepted[key], floor):
-            found.append(f"numerics regression: {'/'.join((row['kernel'], row['impl']) + key[2:])} worst budget "
-                         f"{row['worst_budget']:.3g} > {REGRESSION_FACTOR} x baseline {accepted[key]:.3g} "
-                         f"(case {row['worst_case']})")
-    return found
-
-
-def baseline_from(report: dict) -> dict:
-    """The accepted worst budgets: every passing group of the family's own implementations."""
-    return {"schema_version": rec.SCHEMA_VERSION,
-            "budgets": [{k: row[k] for k in ("kernel", "impl", "backend", "dtype", "direction", "worst_budget")}
-                        for row in report["summary"] if row["impl"] != "user" and row["failures"] == 0]}
-
-
-def build_report(records: list[dict], *, run_id, complete, problems, skipped_backends,
-                 applicable, wall_s, mutation=None) -> dict:
-    rows = summarize(records)
-    return {
-        "schema_version": rec.SCHEMA_VERSION, "run_id": run_id, "complete": complete,
-        "wall_s": wall_s, "totals": {
-            "records": len(records), "cases": len({(r["kernel"], r["case_id"]) for r in records}),
-            "failures": sum(r["outcome"] != "pass" for r in records)},
-        "skipped_backends": skipped_backends, "summary": rows,
-        "coverage": coverage(records, applicable), "device_growth": device_growth(records),
-        "problems": problems, "mutation": mutation, "records": records,
-    }
-
-
-def device_growth(records: list[dict]) -> list[dict]:
-    """Worst error per kernel x direction x device count: error growth with ring size."""
-    worst: dict[tuple, float] = {}
-    for r in records:
-        if r.get("device_count", 1) > 1 or r["kernel"].startswith("ring"):
-            metrics = r.get("metrics") or {}
-            key = (r["kernel"], r["direction"], r.get("dtype", ""), r.get("device_count", 1))
-            worst[key] = max(worst.get(key, 0.0), float(metrics.get("max_abs", 0.0) or 0.0))
-    return [{"kernel": k, "direction": d, "dtype": t, "devices": n, "worst_max_abs": v}
-            for (k, d, t, n), v in sorted(worst.items())]
-
-
-def write_reports(directory, *, run_id, complete, selected_backends=None, baseline_path=None,
-                  require_coverage=False, wall_s=0.0, failed_tests=None,
-                  regression_floor: float = REGRESSION_FLOOR) -> ReportResult:
-    from attncheck import backends, specs
-
+def write(directory: pathlib.Path, report: Report) -> None:
+    """Write every report file (each whole, then renamed: a reader never sees half a file)
+    and append the Markdown to $GITHUB_STEP_SUMMARY when set and the run is final."""
     directory = pathlib.Path(directory)
-    records, problems = rec.read_records(directory, run_id)
-    problems = list(problems)
-    if not complete:
-        problems.append("run interrupted: the report holds the records written before the stop")
-    failing = [r for r in records if r["outcome"] != "pass"]
-    # A test can fail without a failing record (a timeout, a crashed worker, a failing
-    # non-gate test): the report must not say PASS then.
-    recorded = {r.get("nodeid") for r in failing}
-    problems += [f"{nodeid} failed without a failing record: {reason[:300]}"
-                 for nodeid, reason in sorted((failed_tests or {}).items()) if nodeid not in recorded]
-    skipped = [{"backend": name, "reason": reason} for name, b in backends.BACKENDS.items()
-               if (reason := b.unavailable_reason()) is not None]
-    if selected_backends:
-        chosen = backends.parse_backend_option(selected_backends)
-        skipped += [{"backend": n, "reason": "not selected (--attncheck-backend)"}
-                    for n in backends.BACKENDS if n not in chosen and b_available(n)]
-    applicable = {s.name: s.coverage_classes for s in specs.all_specs().values()}
-    report = build_report(records, run_id=run_id, complete=complete, problems=problems,
-                          skipped_backends=skipped, applicable=applicable, wall_s=wall_s,
-                          mutation=_read_json(directory / "mutation.json"))
-    if require_coverage:
-        for kernel, classes in report["coverage"].items():
-            missing = [c for c, n in classes.items() if n["cases"] == 0 and c in applicable.get(kernel, ())]
-            if missing:
-                problems.append(f"coverage: {kernel} never exercised {', '.join(missing)}")
-    if baseline_path:
-        baseline = _read_json(pathlib.Path(baseline_path))
-        if baseline is None:
-            problems.append(f"--attncheck-baseline: {baseline_path} does not exist or is not JSON")
-        else:
-            report["regressions"] = regressions(report["summary"], baseline, regression_floor)
-            problems.extend(report["regressions"])
-    report["problems"] = problems
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps(_json_safe(report), indent=1, sort_keys=True, default=str,
-                                                      allow_nan=False))
-    markdown = render_markdown(report, failing)
-    (directory / "report.md").write_text(markdown)
-    (directory / "report.html").write_text(render_html(report))
+    markdown = render_markdown(report)
+    texts = {"report.json": json.dumps(report.to_json(), indent=1, sort_keys=True, allow_nan=False),
+             "report.md": markdown, "report.html": render_html(report)}
+    umask = os.umask(0)
+    os.umask(umask)
+    for name, text in texts.items():
+        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=f".{name}.", delete=False,
+                                         encoding="utf-8") as tmp:
+            tmp.write(text)
+        os.chmod(tmp.name, 0o666 & ~umask)  # as an ordinary file, not the temporary file's 0600
+        os.replace(tmp.name, directory / name)
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary_path:
+    if summary_path and report.complete:
         with open(summary_path, "a", encoding="utf-8") as fh:
             fh.write(markdown)
-    return ReportResult(report, problems)
-
-
-def _json_safe(value):
-    """JSON has no inf/nan (JSON.parse rejects Python's Infinity): write them as "inf"/"nan",
-    as records do (e.g. the worst budget of a group holding a crashed case)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def b_available(name: str) -> bool:
-    from attncheck import backends
-
-    return backends.BACKENDS[name].unavailable_reason() is None
-
-
-def _read_json(path: pathlib.Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _fmt(value) -> str:
@@ -211,48 +45,66 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def render_markdown(report: dict, failing: list[dict]) -> str:
-    totals = report["totals"]
-    status = "PASS" if not totals["failures"] and not report["problems"] else "FAIL"
-    out = [f"# attncheck: {status}", "",
-           f"{totals['cases']} cases, {totals['records']} comparisons, {totals['failures']} failing; "
-           f"wall {report['wall_s']:.0f} s; run `{report['run_id']}`"
-           + ("" if report["complete"] else " (**incomplete**)"), ""]
-    if report["problems"]:
-        out += ["## Gate problems", ""] + [f"- {p}" for p in report["problems"]] + [""]
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]|~])")
+
+
+def md(text) -> str:
+    """Text from a kernel, an exception or a user, safe inside Markdown and its tables: HTML
+    escaped, Markdown syntax backslash-escaped, one line."""
+    return html.escape(_MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(text).split())), quote=True)
+
+
+def md_code(text) -> str:
+    """Untrusted text as inline code: <code> with HTML escaping (a backtick span cannot
+    hold every string, and GitHub renders escaped entities literally inside <code>)."""
+    return f"<code>{html.escape(' '.join(str(text).split()), quote=True).replace('|', '&#124;')}</code>"
+
+
+def render_markdown(report: Report) -> str:
+    totals, failing = report.totals, report.failing
+    wall = "wall unknown" if report.wall_s is None else f"wall {report.wall_s:.0f} s"
+    out = [f"# attncheck: {report.verdict}", "",
+           f"{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; "
+           f"{wall}; run {md_code(report.run_id)}" + ("" if report.complete else " (**incomplete**)"), ""]
+    if report.unverified:
+        out += ["## Nothing verified", ""] + [f"- {md(p)}" for p in report.unverified] + [""]
+    if report.problems:
+        out += ["## Gate problems", ""] + [f"- {md(p)}" for p in report.problems] + [""]
     if failing:
         out += ["## Failures", "", "| kernel | impl | backend | direction | case | reason | reproduce |",
                 "|---|---|---|---|---|---|---|"]
         for r in failing[:30]:
-            reason = r["reason"].replace("|", "\\|").replace("\n", " ")[:160]
-            out.append(f"| {r['kernel']} | {r['impl']} | {r['backend']} | {r['direction']} | "
-                       f"`{r['case_id']}` | {reason} | `{r['repro']}` |")
+            out.append(f"| {md(r.kernel)} | {md(r.impl)} | {md(r.backend)} | {md(r.direction)} | "
+                       f"{md_code(r.case_id)} | {md(r.reason[:160])} | {md_code(r.repro)} |")
         if len(failing) > 30:
             out.append(f"| ... {len(failing) - 30} more in report.json | | | | | | |")
         out.append("")
-    out += ["## Summary", "", "| kernel | impl | backend | dtype | direction | cases | failures | worst budget | worst case |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for row in report["summary"]:
-        out.append(f"| {row['kernel']} | {row['impl']} | {row['backend']} | {row['dtype']} | {row['direction']} | "
-                   f"{row['cases']} | {row['failures']} | {_fmt(row['worst_budget'])} | `{row['worst_case']}` |")
-    out.append("")
-    if report["skipped_backends"]:
-        out += ["## Backends not run", ""] + [f"- `{s['backend']}`: {s['reason']}" for s in report["skipped_backends"]] + [""]
-    if report["coverage"]:
-        out += ["## Coverage of bug classes (cases / failures)", ""]
-        for kernel, classes in report["coverage"].items():
-            cells = ", ".join(f"{c} {n['cases']}/{n['failures']}" + (" **(none)**" if n["cases"] == 0 else "")
-                              for c, n in sorted(classes.items()))
-            out.append(f"- **{kernel}**: {cells}")
+    if report.summary:
+        out += ["## Summary", "",
+                "| kernel | impl | backend | dtype | direction | cases | failures | worst budget | worst case |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {md(row.kernel)} | {md(row.impl)} | {md(row.backend)} | {md(row.dtype)} | {md(row.direction)} | "
+                f"{row.cases} | {row.failures} | {_fmt(row.worst_budget)} | {md_code(row.worst_case)} |"
+                for row in report.summary]
         out.append("")
-    if report["device_growth"]:
+    if report.skipped_backends:
+        out += ["## Backends not run", ""] + [f"- {md_code(s.backend)}: {md(s.reason)}"
+                                             for s in report.skipped_backends] + [""]
+    if report.coverage:
+        out += ["## Coverage of bug classes (cases / failures)", ""]
+        for kernel, classes in report.coverage.items():
+            cells = ", ".join(f"{md(c)} {n.cases}/{n.failures}" + (" **(none)**" if n.cases == 0 else "")
+                              for c, n in sorted(classes.items()))
+            out.append(f"- **{md(kernel)}**: {cells}")
+        out.append("")
+    if report.device_growth:
         out += ["## Worst error against device count", "", "| kernel | direction | dtype | devices | worst max abs |",
                 "|---|---|---|---|---|"]
-        out += [f"| {g['kernel']} | {g['direction']} | {g['dtype']} | {g['devices']} | {_fmt(g['worst_max_abs'])} |"
-                for g in report["device_growth"]]
+        out += [f"| {md(g.kernel)} | {md(g.direction)} | {md(g.dtype)} | {g.devices} | {_fmt(g.worst_max_abs)} |"
+                for g in report.device_growth]
         out.append("")
-    if report.get("mutation"):
-        out += render_mutation_markdown(report["mutation"])
+    if report.mutation:
+        out += render_mutation_markdown(report.mutation)
     return "\n".join(out) + "\n"
 
 
@@ -260,11 +112,11 @@ def render_mutation_markdown(mutation: dict) -> list[str]:
     out = ["## Mutation testing", "", "| kernel | mutants | killed | survived | equivalent | kill rate |",
            "|---|---|---|---|---|---|"]
     for kernel, row in sorted(mutation.get("per_kernel", {}).items()):
-        out.append(f"| {kernel} | {row['total']} | {row['killed']} | {row['survived']} | "
+        out.append(f"| {md(kernel)} | {row['total']} | {row['killed']} | {row['survived']} | "
                    f"{row['equivalent']} | {row['kill_rate']:.0%} |")
     survivors = [m for m in mutation.get("results", []) if m["status"] == "survived"]
     if survivors:
-        out += ["", "Survivors:"] + [f"- `{m['id']}`: {m['description']}" for m in survivors]
+        out += ["", "Survivors:"] + [f"- {md_code(m['id'])}: {md(m['description'])}" for m in survivors]
     return out + [""]
 
 
@@ -349,18 +201,18 @@ def _histogram_svg(values: list[float], bins: int = 20) -> str:
     return "".join(parts)
 
 
-def render_html(report: dict) -> str:
-    numeric = [r for r in report["records"] if r.get("metrics")]
+def render_html(report: Report) -> str:
+    numeric = [r for r in report.records if r.metrics is not None]
     # Error vs length: one plot per dtype (errors of f32 and bf16 differ by orders of
     # magnitude), one series per kernel.
     by_len: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for r in numeric:
-        by_len[r.get("dtype", "")][r["kernel"]].append((r.get("seq_len", 0), r["metrics"]["max_abs"]))
+        by_len[r.dtype][r.kernel].append((r.seq_len, r.metrics.max_abs))
     # Error vs ring size: worst over the directions, one series per kernel and dtype.
     worst_dev: dict[tuple, float] = defaultdict(float)
-    for g in report["device_growth"]:
-        key = (f"{g['kernel']} {g['dtype']}", g["devices"])
-        worst_dev[key] = max(worst_dev[key], g["worst_max_abs"])
+    for g in report.device_growth:
+        key = (f"{g.kernel} {g.dtype}", g.devices)
+        worst_dev[key] = max(worst_dev[key], g.worst_max_abs)
     by_dev: dict[str, list] = defaultdict(list)
     for (name, devices), value in worst_dev.items():
         by_dev[name].append((devices, value))
@@ -369,23 +221,23 @@ def render_html(report: dict) -> str:
         f"<figcaption>Error against sequence length, {html.escape(dtype)} (one point per comparison)</figcaption></figure>"
         for dtype, series in sorted(by_len.items()))
     esc = html.escape
-    totals = report["totals"]
-    ok = not totals["failures"] and not report["problems"]
+    totals = report.totals
+    ok = report.verdict == PASS
     rows = "".join(
-        f"<tr class='{'bad' if row['failures'] else ''}'>" + "".join(
-            f"<td>{esc(_fmt(row[k]))}</td>" for k in ("kernel", "impl", "backend", "dtype", "direction",
-                                                       "cases", "failures", "worst_budget", "worst_case"))
-        + "</tr>" for row in report["summary"])
+        f"<tr class='{'bad' if row.failures else ''}'>" + "".join(
+            f"<td>{esc(_fmt(getattr(row, k)))}</td>" for k in ("kernel", "impl", "backend", "dtype", "direction",
+                                                                "cases", "failures", "worst_budget", "worst_case"))
+        + "</tr>" for row in report.summary)
     failures = "".join(
-        f"<tr><td>{esc(r['kernel'])}</td><td>{esc(r['backend'])}</td><td>{esc(r['direction'])}</td>"
-        f"<td><code>{esc(r['case_id'])}</code></td><td>{esc(r['reason'][:300])}</td>"
-        f"<td><code>{esc(r['repro'])}</code></td></tr>"
-        for r in report["records"] if r["outcome"] != "pass")
-    problems = "".join(f"<li>{esc(p)}</li>" for p in report["problems"])
-    skipped = "".join(f"<li><code>{esc(s['backend'])}</code>: {esc(s['reason'])}</li>" for s in report["skipped_backends"])
+        f"<tr><td>{esc(r.kernel)}</td><td>{esc(r.backend)}</td><td>{esc(r.direction)}</td>"
+        f"<td><code>{esc(r.case_id)}</code></td><td>{esc(r.reason[:300])}</td>"
+        f"<td><code>{esc(r.repro)}</code></td></tr>"
+        for r in report.failing)
+    problems = "".join(f"<li>{esc(p)}</li>" for p in [*report.unverified, *report.problems])
+    skipped = "".join(f"<li><code>{esc(s.backend)}</code>: {esc(s.reason)}</li>" for s in report.skipped_backends)
     coverage = "".join(
-        f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n['cases']}</td><td>{n['failures']}</td></tr>"
-        for k, classes in report["coverage"].items() for c, n in sorted(classes.items()))
+        f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n.cases}</td><td>{n.failures}</td></tr>"
+        for k, classes in report.coverage.items() for c, n in sorted(classes.items()))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>attncheck report</title>
 <style>
@@ -396,13 +248,13 @@ tr.bad td {{ background: #fde0e0; }} .status {{ font-size: 1.6em; font-weight: b
 .pass {{ color: #1a7f37; }} .fail {{ color: #cf222e; }} .plots {{ display: flex; flex-wrap: wrap; gap: 1em; }}
 </style></head><body>
 <h1>attncheck report</h1>
-<p class="status {'pass' if ok else 'fail'}">{'PASS' if ok else 'FAIL'}</p>
-<p>{totals['cases']} cases, {totals['records']} comparisons, {totals['failures']} failing; run <code>{esc(str(report['run_id']))}</code>{'' if report['complete'] else ' (incomplete)'}</p>
+<p class="status {'pass' if ok else 'fail'}">{esc(report.verdict)}</p>
+<p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; run <code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
 {'<h2>Failures</h2><table><tr><th>kernel</th><th>backend</th><th>direction</th><th>case</th><th>reason</th><th>reproduce</th></tr>' + failures + '</table>' if failures else ''}
 <h2>Plots</h2><div class="plots">
 {length_plots}
-<figure>{_histogram_svg([_budget(r) for r in numeric])}<figcaption>Budget histogram (1 = at the tolerance)</figcaption></figure>
+<figure>{_histogram_svg([r.budget for r in numeric])}<figcaption>Budget histogram (1 = at the tolerance)</figcaption></figure>
 <figure>{_scatter_svg("worst error vs device count", by_dev, "devices", "worst max abs error (log10)", join=True)}<figcaption>Ring kernels: worst error (over directions) against device count</figcaption></figure>
 </div>
 <h2>Summary</h2><table><tr><th>kernel</th><th>impl</th><th>backend</th><th>dtype</th><th>direction</th><th>cases</th><th>failures</th><th>worst budget</th><th>worst case</th></tr>{rows}</table>

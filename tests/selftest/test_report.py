@@ -1,5 +1,6 @@
 """Reports: the JSON schema against real records, and the merge/render functions on
-hand-built records (summary, coverage, regressions, baseline, Markdown, HTML, step summary)."""
+hand-built records (summary, coverage, regressions, accepted budgets, Markdown, HTML, step
+summary)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import jax.numpy as jnp
 import jsonschema
 import pytest
 
-from attncheck import backends, gate, numerics, specs
+from attncheck import accepted, check, coverage, numerics
+from attncheck.backends import BACKENDS
+from attncheck.report import merge, model, render
 from attncheck.report import records as rec
-from attncheck.report import render
-from attncheck.specs.base import Case, make_case
+from attncheck.report.records import Record
 from tests.selftest import toy_spec
 
 pytest_plugins = ("pytester",)
@@ -28,6 +30,7 @@ RECORD_VALIDATOR = jsonschema.Draft202012Validator(
 RUN_ID = "20260101T0000001234"
 XSS = "<script>alert(1)</script>"
 SVG_NS = "http://www.w3.org/2000/svg"
+APPLICABLE = {"toy_attention": ("causal", "bf16")}
 
 
 def _strict_json(text: str):
@@ -37,53 +40,47 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-@pytest.fixture
-def only_toy_spec(monkeypatch):
-    """Make the toy family the only registered one (write_reports asks for coverage classes)."""
-    monkeypatch.setattr(specs, "SPEC_MODULES", [toy_spec.SPEC_MODULE])
-    specs.all_specs.cache_clear()
-    yield
-    specs.all_specs.cache_clear()
-
-
 def nan_attention(q, k, v, *, causal: bool, sm_scale: float):
     return toy_spec.toy_attention(q, k, v, causal=causal, sm_scale=sm_scale) * jnp.nan
 
 
 # ---------------------------------------------------------------------- hand-built records
-def metrics(budget: float = 0.5, max_abs: float = 1e-6) -> dict:
+def metrics(budget: float = 0.5, max_abs: float = 1e-6) -> numerics.Comparison:
     allowed = max_abs / budget if budget else 1e-6
     return numerics.Comparison(
         passed=budget <= 1, reason="ok" if budget <= 1 else "max abs error too large", max_abs=max_abs,
         max_rel=1e-5, mean_abs=max_abs / 4, ulp_p50=1.0, ulp_p99=3.0, ulp_max=4.0, cosine=1.0,
-        baseline_err=allowed / 3, baseline_ulps=2.0, r=2.0, a=allowed / 3, allowed=allowed, budget=budget,
-        worst_index=(0, 1, 2, 3), worst_kernel=0.25, worst_oracle=0.2500001, compared=256).to_json()
+        yardstick_err=allowed / 3, yardstick_ulps=2.0, r=2.0, a=allowed / 3, allowed=allowed, budget=budget,
+        worst_index=(0, 1, 2, 3), worst_kernel=0.25, worst_oracle=0.2500001, compared=256)
 
 
 def record(case: str = "c0", *, kernel: str = "toy_attention", impl: str = "builtin", backend: str = "xla",
            dtype: str = "float32", direction: str = "out", outcome: str = "pass", budget: float | None = 0.5,
            classes=(), reason: str | None = None, seq_len: int = 8, devices: int = 1, max_abs: float = 1e-6,
-           nodeid: str = "tests/gate/test_gate.py::test_kernel_matches_oracle[x]") -> dict:
+           nodeid: str = "attncheck/gate/test_gate.py::test_kernel_matches_oracle[x]") -> Record:
     case_id = f"{kernel}-{hashlib.sha256(case.encode()).hexdigest()[:12]}"
-    out = {"schema_version": rec.SCHEMA_VERSION, "run_id": RUN_ID, "worker": "main", "nodeid": nodeid,
-           "case_id": case_id, "case": {"family": kernel, "params": {"name": case}, "seed": 1},
-           "kernel": kernel, "impl": impl, "impl_ref": "pkg.mod:fn", "backend": backend, "backend_settings": {},
-           "dtype": dtype, "config": {}, "seq_len": seq_len, "device_count": devices, "classes": list(classes),
-           "repro": f"attncheck repro {case_id} --impl {impl} --backend {backend}", "direction": direction,
-           "outcome": outcome, "timings": {"kernel_s": 0.01},
-           "reason": reason or ("ok" if outcome == "pass" else "max abs error 1 > allowed 1e-6")}
-    if budget is not None:
-        out["metrics"] = metrics(budget, max_abs)
-        out["budget"] = numerics._json_float(float(budget))
-    else:
-        out["traceback"] = "Traceback (most recent call last): ..."
-    return out
+    return Record(
+        case_id=case_id, case={"family": kernel, "params": {"name": case}, "seed": 1}, kernel=kernel, impl=impl,
+        impl_ref="pkg.mod:fn", backend=backend, backend_settings={}, dtype=dtype, seq_len=seq_len,
+        device_count=devices, classes=tuple(classes), repro=f"attncheck repro {case_id} --impl {impl} --backend {backend}",
+        nodeid=nodeid, direction=direction, outcome=outcome, timings={"kernel_s": 0.01},
+        reason=reason or ("ok" if outcome == "pass" else "max abs error 1 > allowed 1e-6"),
+        metrics=None if budget is None else metrics(budget, max_abs),
+        traceback="Traceback (most recent call last): ..." if budget is None else None,
+        run_id=RUN_ID, worker="main")
 
 
-def report_of(records: list[dict], **overrides) -> dict:
-    options = dict(run_id=RUN_ID, complete=True, problems=[], skipped_backends=[],
-                   applicable={"toy_attention": ("causal", "bf16")}, wall_s=1.0)
-    return render.build_report(records, **{**options, **overrides})
+def report_of(records: list[Record], **overrides) -> model.Report:
+    options = dict(run_id=RUN_ID, complete=True, problems=[], unverified=[], skipped_backends=[],
+                   applicable=APPLICABLE, wall_s=1.0)
+    return model.build(records, **{**options, **overrides})
+
+
+def merged(directory, **outcome) -> model.Report:
+    """Merge a hand-written run directory as the plugin does, and write its reports."""
+    report = merge.merge(directory, RUN_ID, merge.RunOutcome(**{"complete": True, **outcome}), applicable=APPLICABLE)
+    render.write(directory, report)
+    return report
 
 
 # ---------------------------------------------------------------------- schema
@@ -101,42 +98,47 @@ def test_records_of_a_real_toy_run_match_the_schema(pytester, monkeypatch):
              for line in f.read_text().splitlines()]
     for line in lines:
         RECORD_VALIDATOR.validate(line)
-    assert sorted(map(rec.record_key, lines)) == sorted(map(rec.record_key, report["records"]))
+    key = lambda r: Record.from_json(r).key  # noqa: E731
+    assert sorted(map(key, lines)) == sorted(map(key, report["records"]))
+    assert report["verdict"] == "FAIL"
     for r in report["records"]:
-        assert Case.from_json(r["case"]).id == r["case_id"]  # the case id is the recorded case
-        assert r["budget"] == r["metrics"]["budget"]
+        assert toy_spec.SPEC.case_from_json(r["case"]).id == r["case_id"]  # the case id is the recorded case
         assert (r["outcome"] == "pass") == r["metrics"]["passed"]
-        assert r["repro"].endswith(f"--spec {toy_spec.SPEC_MODULE}")
+        # A user spec and a report directory other than the default are named in the reproducer.
+        assert r["repro"].endswith(f"--spec {toy_spec.SPEC_MODULE} --report rep")
         # toy_attention_mixed is wrong exactly on the causal cases.
         assert (r["outcome"] == "fail") == r["case"]["params"]["causal"]
 
 
-def test_error_lowering_and_nonfinite_records_match_the_schema(tmp_path, only_toy_spec):
+def test_error_lowering_and_nonfinite_records_match_the_schema(tmp_path):
     spec = toy_spec.SPEC
-    case = make_case(toy_spec.FAMILY, 7, dtype="float32", batch=2, heads=2, seq_len=8, head_dim=4, causal=True,
+    case = spec.case(7, dtype="float32", batch=2, heads=2, seq_len=8, head_dim=4, causal=True,
                      sm_scale=toy_spec.SM_SCALE)
-    produced = {
-        "crash": gate.check_case(spec, "user", toy_spec.toy_attention_crash, case, backends.BACKENDS["xla"]),
-        "nan": gate.check_case(spec, "user", nan_attention, case, backends.BACKENDS["xla"]),
-        "lower": gate.check_case(spec, "builtin", toy_spec.toy_attention, case, backends.BACKENDS["tpu-lower"]),
-    }
+
+    def run(impl, backend):
+        return check.check_case(check.Target(spec, "user", impl, BACKENDS[backend]), case)
+
+    produced = {"crash": run(toy_spec.toy_attention_crash, "xla"), "nan": run(nan_attention, "xla"),
+                "lower": run(toy_spec.toy_attention, "tpu-lower")}
     crash, = produced["crash"].records
-    assert (crash["direction"], crash["outcome"]) == ("all", "error") and "traceback" in crash
-    assert XSS in crash["reason"]
-    assert {r["outcome"] for r in produced["nan"].records} == {"fail"}
-    assert {r["budget"] for r in produced["nan"].records} == {"inf"}  # non-finite floats as strings
-    assert [(r["direction"], r["outcome"]) for r in produced["lower"].records] == [
+    assert (crash.direction, crash.outcome) == ("all", "error") and crash.traceback
+    assert XSS in crash.reason
+    assert {r.outcome for r in produced["nan"].records} == {"fail"}
+    assert {r.budget for r in produced["nan"].records} == {math.inf}
+    assert [(r.direction, r.outcome) for r in produced["lower"].records] == [
         ("lower-fwd", "pass"), ("lower-grad", "pass")]
     writer = rec.RecordWriter(tmp_path, RUN_ID, "gw3")
     for outcome in produced.values():
         for r in outcome.records:
-            writer.write({**r, "nodeid": "test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla]"})
+            writer.write(dataclasses.replace(r, nodeid="test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla]"))
+    lines = [_strict_json(line) for line in writer.path.read_text().splitlines()]
+    for line in lines:
+        RECORD_VALIDATOR.validate(line)
+    assert {line["metrics"]["budget"] for line in lines if line["direction"] == "dq"} == {"inf"}  # as strings
     written, problems = rec.read_records(tmp_path, RUN_ID)
     assert problems == [] and len(written) == 1 + 4 + 2
-    for r in written:
-        RECORD_VALIDATOR.validate(r)
     # The merged report stays strict JSON although a group's worst budget is infinite.
-    render.write_reports(tmp_path, run_id=RUN_ID, complete=True)
+    merged(tmp_path)
     report = _strict_json((tmp_path / "report.json").read_text())
     REPORT_VALIDATOR.validate(report)
     assert "inf" in {row["worst_budget"] for row in report["summary"]}
@@ -150,21 +152,23 @@ def test_schema_follows_the_code():
     assert sorted(props) == sorted(fields) == sorted(SCHEMA["$defs"]["metrics"]["required"])
     assert SCHEMA["properties"]["schema_version"] == {"const": rec.SCHEMA_VERSION}
     assert SCHEMA["$defs"]["record"]["properties"]["schema_version"] == {"const": rec.SCHEMA_VERSION}
-    built = report_of([record()])
+    assert set(SCHEMA["$defs"]["record"]["properties"]) == {f.name for f in dataclasses.fields(Record)}
+    built = report_of([record()]).to_json()
     assert set(SCHEMA["required"]) == set(built)
     assert set(SCHEMA["properties"]) == set(built) | {"regressions"}
     assert set(SCHEMA["$defs"]["summary_row"]["required"]) == set(built["summary"][0])
-    REPORT_VALIDATOR.validate(json.loads(json.dumps(render._json_safe(built))))
+    REPORT_VALIDATOR.validate(json.loads(json.dumps(built)))
+    REPORT_VALIDATOR.validate(model.placeholder(RUN_ID).to_json())
 
 
 MALFORMED = {
     "unknown outcome": lambda r: r.update(outcome="ok"),
     "no nodeid": lambda r: r.pop("nodeid"),
     "no run id": lambda r: r.pop("run_id"),
-    "pass without metrics": lambda r: (r.pop("metrics"), r.pop("budget")),
+    "pass without metrics": lambda r: r.pop("metrics"),
     "metrics missing a field": lambda r: r["metrics"].pop("ulp_p99"),
     "metrics with an unknown field": lambda r: r["metrics"].update(surprise=1),
-    "budget spelled Infinity": lambda r: r.update(budget="Infinity"),
+    "budget spelled Infinity": lambda r: r["metrics"].update(budget="Infinity"),
     "metric as a string number": lambda r: r["metrics"].update(max_abs="1e-3"),
     "empty direction": lambda r: r.update(direction=""),
     "case id without hash": lambda r: r.update(case_id="toy_attention"),
@@ -177,7 +181,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("mutation", list(MALFORMED))
 def test_schema_rejects_malformed_records(mutation):
-    good = record()
+    good = record().to_json()
     RECORD_VALIDATOR.validate(good)
     MALFORMED[mutation](good)
     with pytest.raises(jsonschema.ValidationError):
@@ -189,14 +193,14 @@ def test_summarize_groups_and_finds_the_worst():
     records = [record("c0", budget=0.2), record("c1", budget=0.7), record("c0", direction="dq", budget=0.1),
                record("c1", direction="dq", outcome="error", budget=None),
                record("c2", dtype="bfloat16", budget=1.5, outcome="fail")]
-    rows = {(r["dtype"], r["direction"]): r for r in render.summarize(records)}
+    rows = {(r.dtype, r.direction): r for r in model.summarize(records)}
     assert list(rows) == [("bfloat16", "out"), ("float32", "dq"), ("float32", "out")]  # sorted
     out = rows[("float32", "out")]
-    assert (out["cases"], out["comparisons"], out["failures"], out["worst_budget"]) == (2, 2, 0, 0.7)
-    assert out["worst_case"] == records[1]["case_id"] and out["worst_repro"] == records[1]["repro"]
+    assert (out.cases, out.comparisons, out.failures, out.worst_budget) == (2, 2, 0, 0.7)
+    assert out.worst_case == records[1].case_id and out.worst_repro == records[1].repro
     dq = rows[("float32", "dq")]
-    assert (dq["failures"], dq["worst_budget"], dq["worst_case"]) == (1, math.inf, records[3]["case_id"])
-    assert rows[("bfloat16", "out")]["failures"] == 1
+    assert (dq.failures, dq.worst_budget, dq.worst_case) == (1, math.inf, records[3].case_id)
+    assert rows[("bfloat16", "out")].failures == 1
 
 
 def test_coverage_counts_cases_per_class_and_their_failures():
@@ -205,62 +209,73 @@ def test_coverage_counts_cases_per_class_and_their_failures():
                record("c1", direction="dq", classes=["causal", "bf16"], outcome="fail", budget=2.0),
                record("c1", backend="tpu", classes=["causal", "bf16"]),  # another backend: another case run
                record("c3", classes=["surprise"])]
-    table = render.coverage(records, {"toy_attention": ("causal", "bf16", "never"), "absent": ("x",)})
-    assert table == {"toy_attention": {"causal": {"cases": 3, "failures": 1}, "bf16": {"cases": 2, "failures": 1},
-                                       "never": {"cases": 0, "failures": 0},
-                                       "surprise": {"cases": 1, "failures": 0}}}
+    table = coverage.table(records, {"toy_attention": ("causal", "bf16", "never"), "absent": ("x",)})
+    C = coverage.ClassCount  # noqa: N806
+    assert table == {"toy_attention": {"causal": C(3, 1), "bf16": C(2, 1), "never": C(0, 0), "surprise": C(1, 0)}}
+    assert coverage.missing(table, {"toy_attention": ("causal", "bf16", "never")}) == {"toy_attention": ["never"]}
 
 
-def _row(worst_budget: float, dtype: str = "float32", impl: str = "builtin") -> dict:
-    return {"kernel": "toy_attention", "impl": impl, "backend": "xla", "dtype": dtype, "direction": "out",
-            "worst_budget": worst_budget, "worst_case": "toy_attention-000000000000", "failures": 0}
+def _row(worst_budget: float, dtype: str = "float32", impl: str = "builtin", direction: str = "out",
+         failures: int = 0) -> model.SummaryRow:
+    return model.SummaryRow("toy_attention", impl, "xla", dtype, direction, cases=1, comparisons=1, failures=failures,
+                            worst_budget=worst_budget, worst_case="toy_attention-000000000000", worst_repro="attncheck repro x")
 
 
-def _accepted(budget: float, impl: str | None = "builtin") -> dict:
-    entry = {"kernel": "toy_attention", "backend": "xla", "dtype": "float32", "direction": "out",
-             "worst_budget": budget}
-    return {"budgets": [entry if impl is None else {**entry, "impl": impl}]}
+def _accepted(budget: float, impl: str = "builtin") -> list[accepted.AcceptedBudget]:
+    return [accepted.AcceptedBudget("toy_attention", impl, "xla", "float32", "out", budget)]
 
 
-@pytest.mark.parametrize("accepted", [0.5, 0.0])  # 0.0: the noise floor applies
-def test_regression_factor_boundary(accepted):
-    baseline = _accepted(accepted)
-    limit = render.REGRESSION_FACTOR * max(accepted, render.REGRESSION_FLOOR)
-    assert render.regressions([_row(limit)], baseline) == []  # at the limit: accepted
-    assert render.regressions([_row(limit / 2)], baseline) == []
-    found = render.regressions([_row(math.nextafter(limit, math.inf))], baseline)
+@pytest.mark.parametrize("accepted_budget", [0.5, 0.0])  # 0.0: the noise floor applies
+def test_regression_factor_boundary(accepted_budget):
+    budgets = _accepted(accepted_budget)
+    limit = accepted.REGRESSION_FACTOR * max(accepted_budget, accepted.REGRESSION_FLOOR)
+    assert accepted.regressions([_row(limit)], budgets) == []  # at the limit: accepted
+    assert accepted.regressions([_row(limit / 2)], budgets) == []
+    found = accepted.regressions([_row(math.nextafter(limit, math.inf))], budgets)
     assert len(found) == 1
     assert found[0].startswith("numerics regression: toy_attention/builtin/xla/float32/out worst budget")
     assert "toy_attention-000000000000" in found[0]
-    # A group the baseline does not know is new, not a regression.
-    assert render.regressions([_row(100.0, dtype="bfloat16")], baseline) == []
+    # A group the accepted budgets do not know is new, not a regression.
+    assert accepted.regressions([_row(100.0, dtype="bfloat16")], budgets) == []
 
 
 def test_regressions_compare_each_implementation_with_its_own_budget():
-    baseline = {"budgets": _accepted(0.4)["budgets"] + _accepted(0.6, impl="lse")["budgets"]}
+    budgets = _accepted(0.4) + _accepted(0.6, impl="lse")
     # lse's own accepted budget is 0.6: 0.8 is no regression although builtin's is 0.4.
-    assert render.regressions([_row(0.8, impl="lse")], baseline) == []
-    assert render.regressions([_row(0.91, impl="lse")], baseline)[0].startswith(
+    assert accepted.regressions([_row(0.8, impl="lse")], budgets) == []
+    assert accepted.regressions([_row(0.91, impl="lse")], budgets)[0].startswith(
         "numerics regression: toy_attention/lse/xla/")
     # A user's implementation is held to the built-in budgets; an unknown impl is new.
-    assert render.regressions([_row(0.61, impl="user")], baseline)[0].startswith(
+    assert accepted.regressions([_row(0.61, impl="user")], budgets)[0].startswith(
         "numerics regression: toy_attention/user/xla/")
-    assert render.regressions([_row(5.0, impl="chunked")], baseline) == []
-    # A baseline written before budgets were keyed by implementation means the built-in.
-    assert len(render.regressions([_row(0.61)], _accepted(0.4, impl=None))) == 1
+    assert accepted.regressions([_row(5.0, impl="chunked")], budgets) == []
 
 
-def test_baseline_takes_the_passing_rows_of_the_familys_own_implementations():
-    rows = [_row(0.4), {**_row(0.9, "bfloat16"), "failures": 1}, {**_row(0.3, impl="user"), "direction": "dq"},
-            {**_row(0.2), "direction": "dk"}, _row(0.6, impl="lse")]
-    baseline = render.baseline_from({"summary": rows})
-    assert baseline["schema_version"] == rec.SCHEMA_VERSION
-    common = {"kernel": "toy_attention", "backend": "xla", "dtype": "float32"}
-    assert baseline["budgets"] == [{**common, "impl": "builtin", "direction": "out", "worst_budget": 0.4},
-                                   {**common, "impl": "builtin", "direction": "dk", "worst_budget": 0.2},
-                                   {**common, "impl": "lse", "direction": "out", "worst_budget": 0.6}]
+def test_accepted_budgets_are_the_passing_rows_of_the_familys_own_implementations(tmp_path):
+    rows = [_row(0.4), _row(0.9, "bfloat16", failures=1), _row(0.3, impl="user", direction="dq"),
+            _row(0.2, direction="dk"), _row(0.6, impl="lse")]
+    budgets = accepted.from_summary(rows)
+    assert [(b.impl, b.direction, b.worst_budget) for b in budgets] == [
+        ("builtin", "out", 0.4), ("builtin", "dk", 0.2), ("lse", "out", 0.6)]
+    accepted.write(tmp_path / "accepted.json", budgets)
+    assert accepted.read(tmp_path / "accepted.json") == budgets  # the file round-trips
     # Accepting a run's budgets and checking the same run against them flags nothing.
-    assert render.regressions(rows, baseline) == []
+    assert accepted.regressions(rows, budgets) == []
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[]", "expected an object"), ('{"budgets": {}}', "expected an object"), ("{", "not JSON"),
+    ('{"budgets": [{"kernel": "k", "impl": "i", "backend": "b", "direction": "d", "worst_budget": 1}]}', "lacks dtype"),
+    ('{"budgets": [{"kernel": "k", "impl": "i", "backend": "b", "dtype": "f", "direction": "d", "worst_budget": "x"}]}',
+     "non-negative number"),
+    ('{"budgets": [3]}', "budgets\\[0\\] is int")])
+def test_a_malformed_accepted_budgets_file_is_named_with_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / "accepted.json"
+    path.write_text(content)
+    with pytest.raises(accepted.AcceptedBudgetsError, match=f"{re.escape(str(path))}: .*{message}"):
+        accepted.read(path)
+    with pytest.raises(accepted.AcceptedBudgetsError, match="cannot read"):
+        accepted.read(tmp_path / "missing.json")
 
 
 # ---------------------------------------------------------------------- rendering
@@ -268,28 +283,41 @@ def test_markdown_lists_failures_with_reproducers_and_stays_short():
     failing = [record(f"f{i}", outcome="fail", budget=2.0 + i, direction=("out", "dq")[i % 2],
                       reason="error | with a pipe\nand a newline") for i in range(100)]
     records = [record(f"p{i}") for i in range(200)] + failing
-    report = report_of(records)
-    markdown = render.render_markdown(report, failing)
+    markdown = render.render_markdown(report_of(records))
     lines = markdown.splitlines()
     assert lines[0] == "# attncheck: FAIL"
     assert len(lines) <= 60, len(lines)  # 300 records, 100 failures: still a step summary
-    rows = [line for line in lines if line.startswith("| toy_attention | builtin | xla | out") or
-            line.startswith("| toy_attention | builtin | xla | dq")]
-    failure_rows = [line for line in rows if "`attncheck repro" in line]
+    failure_rows = [line for line in lines if "<code>attncheck repro" in line]
     assert len(failure_rows) == 30
-    assert f"`{failing[0]['case_id']}`" in markdown and f"`{failing[0]['repro']}`" in markdown
+    assert f"<code>{failing[0].case_id}</code>" in markdown and f"<code>{failing[0].repro}</code>" in markdown
     assert "70 more in report.json" in markdown
     # The reason's pipe is escaped and its newline removed: each failure row keeps 7 cells.
     assert all(len(re.split(r"(?<!\\)\|", row)) == 9 for row in failure_rows)
 
 
 def test_markdown_of_a_clean_run_says_pass():
-    report = report_of([record("c0"), record("c0", direction="dq")])
-    markdown = render.render_markdown(report, [])
+    markdown = render.render_markdown(report_of([record("c0"), record("c0", direction="dq")]))
     assert markdown.startswith("# attncheck: PASS") and "## Failures" not in markdown
 
 
-def _html_records() -> list[dict]:
+@pytest.mark.parametrize("hostile", [
+    "</td></tr></table><h1>PASS</h1>", "<img src=x onerror=alert(1)>", "a | b | c", "`code` **bold** [x](y)",
+    "line one\n# heading\n| table |", "<lambda> in jax"])
+def test_markdown_escapes_what_kernels_exceptions_and_users_wrote(hostile):
+    """A kernel's error text goes into tables, lists and the CI step summary: it may neither
+    add markup (HTML or Markdown) nor break a row, and it must stay readable."""
+    failing = [record("f0", outcome="fail", budget=2.0, reason=hostile, nodeid=f"t.py::{hostile}")]
+    markdown = render.render_markdown(report_of(failing, problems=[f"problem: {hostile}"]))
+    rows = [line for line in markdown.splitlines() if line.startswith("| toy_attention")]
+    failure_row = next(row for row in rows if "attncheck repro" in row)
+    assert len(re.split(r"(?<!\\)\|", failure_row)) == 9  # still 7 cells
+    for tag in ("<h1>", "<img", "</td>", "</table>", "<lambda>"):
+        assert tag not in markdown
+    assert "&lt;lambda&gt;" in markdown or "lambda" not in hostile  # jax's own text is kept, escaped
+    assert not any(line.startswith("# heading") for line in markdown.splitlines())
+
+
+def _html_records() -> list[Record]:
     return ([record(f"c{i}", seq_len=8 * (1 + i % 3), budget=0.1 * (1 + i % 9), max_abs=10.0 ** -(3 + i % 4))
              for i in range(12)]
             + [record(f"r{n}", kernel="ring_attention", devices=n, max_abs=1e-5 * n) for n in (1, 2, 4, 8)]
@@ -298,7 +326,7 @@ def _html_records() -> list[dict]:
 
 def test_html_is_self_contained_escaped_and_has_three_plots():
     report = report_of(_html_records(), problems=[f"problem with <b>markup</b> {XSS}"],
-                       skipped_backends=[{"backend": "tpu", "reason": "no TPU <none>"}])
+                       skipped_backends=[model.SkippedBackend("tpu", "no TPU <none>")])
     page = render.render_html(report)
     assert page.count("<svg") == 3 and page.count("</svg>") == 3
     assert "no data" not in page
@@ -311,35 +339,81 @@ def test_html_is_self_contained_escaped_and_has_three_plots():
     assert "<b>" not in page
 
 
-def test_reports_are_written_and_appended_to_the_step_summary(tmp_path, monkeypatch, only_toy_spec):
+def _write(directory, records: list[Record]) -> None:
+    writer = rec.RecordWriter(directory, RUN_ID, "gw0")
+    for r in records:
+        writer.write(r)
+
+
+def test_reports_are_written_and_appended_to_the_step_summary(tmp_path, monkeypatch):
     summary = tmp_path / "step_summary.md"
     summary.write_text("earlier step\n")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     report_dir = tmp_path / "rep"
-    writer = rec.RecordWriter(report_dir, RUN_ID, "gw0")
-    for r in _html_records():
-        writer.write({k: v for k, v in r.items() if k not in ("schema_version", "run_id", "worker")})
-    result = render.write_reports(report_dir, run_id=RUN_ID, complete=True)
+    _write(report_dir, _html_records())
+    report = merged(report_dir)
     markdown = (report_dir / "report.md").read_text()
     assert summary.read_text() == "earlier step\n" + markdown  # appended once, not overwritten
-    assert markdown.startswith("# attncheck: FAIL") and result.report["totals"]["records"] == 17
+    assert markdown.startswith("# attncheck: FAIL") and report.totals.records == 17
     REPORT_VALIDATOR.validate(_strict_json((report_dir / "report.json").read_text()))
     assert (report_dir / "report.html").read_text().count("<svg") == 3
     monkeypatch.delenv("GITHUB_STEP_SUMMARY")
-    render.write_reports(report_dir, run_id=RUN_ID, complete=True)
+    merged(report_dir)
     assert summary.read_text() == "earlier step\n" + markdown  # unset: nothing appended
 
 
-def test_a_test_failing_without_a_record_is_a_gate_problem(tmp_path, only_toy_spec):
-    writer = rec.RecordWriter(tmp_path, RUN_ID, "main")
-    writer.write({k: v for k, v in record("c0", nodeid="t.py::passing").items() if k != "schema_version"})
-    writer.write({k: v for k, v in record("c1", nodeid="t.py::failing", outcome="fail", budget=2.0).items()
-                  if k != "schema_version"})
+def test_a_test_failing_without_a_record_is_a_gate_problem(tmp_path):
+    _write(tmp_path, [record("c0", nodeid="t.py::passing"), record("c1", nodeid="t.py::failing", outcome="fail",
+                                                                   budget=2.0)])
     failed = {"t.py::hung": "Failed: Timeout (>5.0s) from pytest-timeout.", "t.py::failing": "AssertionError"}
-    result = render.write_reports(tmp_path, run_id=RUN_ID, complete=True, failed_tests=failed)
-    assert result.problems == ["t.py::hung failed without a failing record: Failed: Timeout (>5.0s) from "
+    report = merged(tmp_path, failed_tests=failed)
+    assert report.problems == ["t.py::hung failed without a failing record: Failed: Timeout (>5.0s) from "
                                "pytest-timeout."]
-    assert "Timeout (>5.0s)" in (tmp_path / "report.md").read_text()
+    assert "Timeout (&gt;5.0s)" in (tmp_path / "report.md").read_text()
+
+
+def test_a_case_that_started_and_never_finished_is_an_error_record_with_its_reproducer(tmp_path):
+    """A worker that died (os._exit, a signal) or a case that hung leaves its started
+    marker without a record: the merge names the case, the test and what happened."""
+    done, lost = record("c0", nodeid="t.py::a"), record("c1", nodeid="t.py::b")
+    writer = rec.RecordWriter(tmp_path, RUN_ID, "gw1")
+    for r in (done, lost):
+        writer.started(rec.CaseRun(**{f.name: getattr(r, f.name) for f in dataclasses.fields(rec.CaseRun)}))
+    writer.write(done)
+    report = merged(tmp_path, failed_tests={"t.py::b": "worker 'gw1' crashed while running 't.py::b'"})
+    errors = [r for r in report.records if r.outcome == "error"]
+    assert [(r.case_id, r.nodeid, r.repro) for r in errors] == [(lost.case_id, "t.py::b", lost.repro)]
+    assert "never finished: worker 'gw1' crashed" in errors[0].reason
+    assert report.verdict == model.FAIL and report.problems == []  # named by its record, not as a loose test
+
+
+def test_records_that_fail_validation_are_gate_problems_not_silently_dropped(tmp_path):
+    _write(tmp_path, [record("c0")])
+    path = tmp_path / rec.RECORDS_DIR / f"{RUN_ID}-gw0.jsonl"
+    good = json.loads(path.read_text())
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({**good, "outcome": "maybe"}) + "\n")
+        fh.write('{"truncated": \n')
+    (tmp_path / rec.RECORDS_DIR / f"{RUN_ID}-gw1.jsonl").write_bytes(b"\xff\xfe not utf-8\n")
+    report = merged(tmp_path)
+    assert report.verdict == model.FAIL and report.totals.records == 1
+    assert any(":2: invalid record (outcome" in p for p in report.problems), report.problems
+    assert any(":3: truncated line" in p for p in report.problems), report.problems
+    assert any("gw1.jsonl: not UTF-8" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("unverified, failures, problems, verdict", [
+    ([], 0, [], model.PASS), (["x: no case verified"], 0, [], model.NO_CASES),
+    (["x: no case verified"], 1, [], model.FAIL), ([], 0, ["pytest ended with exit status 3"], model.FAIL)])
+def test_the_verdict_is_pass_only_with_every_target_verified_and_nothing_wrong(unverified, failures, problems, verdict):
+    assert model.verdict(failures=failures, problems=problems, unverified=unverified) == verdict
+
+
+def test_targets_asked_for_without_a_case_are_named():
+    records = [record("c0")]
+    asked = {"toy_attention-builtin-xla": "its tests: 1 passed", "toy_attention-lse-xla": "its tests: 2 skipped"}
+    assert model.unverified_targets(records, asked) == ["toy_attention-lse-xla: no case verified (its tests: 2 skipped)"]
+    assert model.unverified_targets(records, {})[0].startswith("no gate test was selected")
 
 
 def test_cleanup_never_removes_a_live_runs_records(tmp_path):

@@ -1,0 +1,104 @@
+"""Accepted budgets: the worst budgets of a passing run, committed, and the numerics
+regressions judged against them (``--attncheck-accepted-budgets``).
+
+Not to be confused with the *yardstick* (``attncheck.yardstick``): the naive
+same-precision implementation the tolerance of every comparison is scaled by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attncheck.report.model import SummaryRow
+
+DEFAULT_FILE = pathlib.Path("reports") / "accepted_budgets.json"
+SCHEMA_VERSION = 1
+# A budget may grow this much past the accepted one before the gate calls it a numerics
+# regression: budgets of passing cases wobble with the drawn inputs.
+REGRESSION_FACTOR = 1.5
+# Budgets below this are within the run-to-run spread of worst cases (measured: the same
+# code gave flash bf16 dk 0.139 under ./dev gate and 0.242 under ./dev test, whose drawn
+# flash cases differ in 17 of 37); growth is judged from this level up.
+REGRESSION_FLOOR = 1 / 3
+_KEYS = ("kernel", "impl", "backend", "dtype", "direction")
+
+
+class AcceptedBudgetsError(ValueError):
+    """The file is missing or not an accepted-budgets file; the message says what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptedBudget:
+    kernel: str
+    impl: str
+    backend: str
+    dtype: str
+    direction: str
+    worst_budget: float
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return tuple(getattr(self, k) for k in _KEYS)
+
+
+def read(path: pathlib.Path) -> list[AcceptedBudget]:
+    """The accepted budgets of a file, validated: every problem names the file and the entry."""
+    path = pathlib.Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise AcceptedBudgetsError(f"{path}: cannot read the accepted budgets ({exc.strerror})") from exc
+    except ValueError as exc:
+        raise AcceptedBudgetsError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("budgets"), list):
+        raise AcceptedBudgetsError(f"{path}: expected an object with a \"budgets\" list "
+                                   "(written by `attncheck budgets accept`)")
+    budgets = []
+    for n, entry in enumerate(data["budgets"]):
+        if not isinstance(entry, dict):
+            raise AcceptedBudgetsError(f"{path}: budgets[{n}] is {type(entry).__name__}, expected an object")
+        missing = [k for k in (*_KEYS, "worst_budget") if k not in entry]
+        if missing:
+            raise AcceptedBudgetsError(f"{path}: budgets[{n}] lacks {', '.join(missing)}")
+        if not all(isinstance(entry[k], str) for k in _KEYS) or not isinstance(entry["worst_budget"], (int, float)) \
+                or isinstance(entry["worst_budget"], bool) or entry["worst_budget"] < 0:
+            raise AcceptedBudgetsError(f"{path}: budgets[{n}] must hold strings for {', '.join(_KEYS)} and a "
+                                       f"non-negative number for worst_budget, got {entry}")
+        budgets.append(AcceptedBudget(*(entry[k] for k in _KEYS), float(entry["worst_budget"])))
+    return budgets
+
+
+def write(path: pathlib.Path, budgets: list[AcceptedBudget]) -> None:
+    data = {"schema_version": SCHEMA_VERSION, "budgets": [dataclasses.asdict(b) for b in budgets]}
+    pathlib.Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def _accepted_impl(impl: str) -> str:
+    # A user's implementation (--attncheck-impl) is held to the built-in one's budgets.
+    return "builtin" if impl == "user" else impl
+
+
+def regressions(rows: list[SummaryRow], accepted: list[AcceptedBudget], floor: float = REGRESSION_FLOOR) -> list[str]:
+    """Budgets that grew past the accepted ones. Keyed by implementation too: a family's
+    implementations differ legitimately (e.g. blockwise vs one-shot reductions), so each
+    is compared with its own accepted budget, never with another's."""
+    by_key = {b.key: b.worst_budget for b in accepted}
+    found = []
+    for row in rows:
+        key = (row.kernel, _accepted_impl(row.impl), row.backend, row.dtype, row.direction)
+        if key in by_key and row.worst_budget > REGRESSION_FACTOR * max(by_key[key], floor):
+            found.append(f"numerics regression: {'/'.join((row.kernel, row.impl) + key[2:])} worst budget "
+                         f"{row.worst_budget:.3g} > {REGRESSION_FACTOR} x accepted {by_key[key]:.3g} "
+                         f"(case {row.worst_case})")
+    return found
+
+
+def from_summary(rows: list[SummaryRow]) -> list[AcceptedBudget]:
+    """The budgets to accept from a run: every passing group of the families' own
+    implementations."""
+    return [AcceptedBudget(row.kernel, row.impl, row.backend, row.dtype, row.direction, row.worst_budget)
+            for row in rows if row.impl != "user" and row.failures == 0]

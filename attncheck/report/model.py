@@ -1,0 +1,179 @@
+"""The merged report of a run: its records, what they add up to, and the verdict.
+
+The verdict has four values. PASS: every family x implementation x backend the run asked
+for verified at least one case, no comparison failed, nothing went wrong around them
+(pytest's own status, lost or invalid records, coverage holes, regressions). FAIL: a
+comparison failed or something went wrong. NO CASES: nothing failed, but something asked
+for verified nothing (a backend that is not there, a selection that matched nothing, a
+collect-only run): a gate that verified nothing must not read as green. INCOMPLETE: the
+run is in progress, or died before it could merge (the report directory says so from the
+moment a run starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+
+from attncheck import coverage
+from attncheck.report.records import SCHEMA_VERSION, Record
+
+PASS, FAIL, NO_CASES, INCOMPLETE = "PASS", "FAIL", "NO CASES", "INCOMPLETE"
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+    """One kernel x impl x backend x dtype x direction."""
+
+    kernel: str
+    impl: str
+    backend: str
+    dtype: str
+    direction: str
+    cases: int
+    comparisons: int
+    failures: int
+    worst_budget: float
+    worst_case: str
+    worst_repro: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGrowth:
+    """Worst error of a kernel x direction x dtype on one device count."""
+
+    kernel: str
+    direction: str
+    dtype: str
+    devices: int
+    worst_max_abs: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedBackend:
+    backend: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    records: int
+    cases: int
+    failures: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    run_id: str
+    verdict: str
+    complete: bool
+    wall_s: float | None  # None: not known (a run merged after it died without a start time)
+    totals: Totals
+    summary: list[SummaryRow]
+    coverage: Mapping[str, Mapping[str, coverage.ClassCount]]
+    device_growth: list[DeviceGrowth]
+    skipped_backends: list[SkippedBackend]
+    problems: list[str]  # why the verdict is FAIL besides failing records
+    unverified: list[str]  # what was asked for and verified nothing (NO CASES)
+    regressions: list[str] | None  # None: no accepted budgets were given
+    records: list[Record]
+    mutation: dict | None = None
+
+    @property
+    def failing(self) -> list[Record]:
+        return [r for r in self.records if not r.passed]
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["totals"] = dataclasses.asdict(self.totals)
+        out["summary"] = [dataclasses.asdict(r) for r in self.summary]
+        out["coverage"] = {k: {c: dataclasses.asdict(n) for c, n in v.items()} for k, v in self.coverage.items()}
+        out["device_growth"] = [dataclasses.asdict(g) for g in self.device_growth]
+        out["skipped_backends"] = [dataclasses.asdict(s) for s in self.skipped_backends]
+        out["records"] = [r.to_json() for r in self.records]
+        out["schema_version"] = SCHEMA_VERSION
+        if self.regressions is None:
+            del out["regressions"]
+        return _json_safe(out)
+
+
+def _json_safe(value):
+    """JSON has no inf/nan (JSON.parse rejects Python's Infinity): write them as "inf"/"nan",
+    as records do (e.g. the worst budget of a group holding a crashed case)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def summarize(records: list[Record]) -> list[SummaryRow]:
+    groups: dict[tuple, list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.kernel, r.impl, r.backend, r.dtype, r.direction)].append(r)
+    rows = []
+    for key, rs in sorted(groups.items()):
+        worst = max(rs, key=lambda r: r.budget)
+        rows.append(SummaryRow(*key, cases=len({r.case_id for r in rs}), comparisons=len(rs),
+                               failures=sum(not r.passed for r in rs), worst_budget=worst.budget,
+                               worst_case=worst.case_id, worst_repro=worst.repro))
+    return rows
+
+
+def device_growth(records: list[Record]) -> list[DeviceGrowth]:
+    """Worst error per kernel x direction x device count: error growth with ring size."""
+    worst: dict[tuple, float] = {}
+    for r in records:
+        if r.device_count > 1 or r.kernel.startswith("ring"):
+            key = (r.kernel, r.direction, r.dtype, r.device_count)
+            error = r.metrics.max_abs if r.metrics is not None else 0.0
+            worst[key] = max(worst.get(key, 0.0), error)
+    return [DeviceGrowth(*key, worst_max_abs=value) for key, value in sorted(worst.items())]
+
+
+def verdict(*, failures: int, problems: list[str], unverified: list[str], complete: bool = True) -> str:
+    if failures or problems:
+        return FAIL
+    if unverified:
+        return NO_CASES
+    return PASS if complete else INCOMPLETE
+
+
+def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[str]:
+    """For every target asked for (target id -> what asked for it) with no case, a line
+    saying so; and one when nothing at all was asked for."""
+    if not asked:
+        return ["no gate test was selected: nothing was verified (check -k, --attncheck-kernel and "
+                "--attncheck-backend, and that the run was not --collect-only)"]
+    verified = {f"{r.kernel}-{r.impl}-{r.backend}" for r in records}
+    return [f"{target}: no case verified ({why})" for target, why in sorted(asked.items()) if target not in verified]
+
+
+def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float | None, problems: list[str],
+          unverified: list[str], skipped_backends: list[SkippedBackend],
+          applicable: Mapping[str, tuple[str, ...]], regressions: list[str] | None = None,
+          mutation: dict | None = None) -> Report:
+    """The report of a run from its records (``applicable``: the bug classes of each family)."""
+    counts = coverage.table(records, applicable)
+    problems = list(problems) + list(regressions or ())
+    failures = sum(not r.passed for r in records)
+    return Report(
+        run_id=run_id, complete=complete, wall_s=wall_s,
+        verdict=verdict(failures=failures, problems=problems, unverified=unverified, complete=complete),
+        totals=Totals(records=len(records), cases=len({(r.kernel, r.case_id) for r in records}), failures=failures),
+        summary=summarize(records), coverage=counts, device_growth=device_growth(records),
+        skipped_backends=skipped_backends, problems=problems, unverified=list(unverified), regressions=regressions,
+        records=records, mutation=mutation)
+
+
+def placeholder(run_id: str) -> Report:
+    """What the report directory says while a run is in progress (and if it dies)."""
+    return Report(run_id=run_id, verdict=INCOMPLETE, complete=False, wall_s=None, totals=Totals(0, 0, 0),
+                  summary=[], coverage={}, device_growth=[], skipped_backends=[],
+                  problems=[f"run {run_id} is in progress, or died before its report was merged: "
+                            f"`attncheck report --run {run_id}` merges what it recorded"],
+                  unverified=[], regressions=None, records=[])
