@@ -9,13 +9,15 @@ catalogue runs with ``attncheck mutate`` (nightly / on demand).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
 
-from attncheck import mutation, specs
-from attncheck.mutants import CATALOGUE
-from attncheck.mutation import CatalogueError, Mutant
+from attncheck import specs
+from attncheck.mutation import runner
+from attncheck.mutation.catalogue import CATALOGUE
+from attncheck.mutation.mutant import CatalogueError, Mutant, apply, mutated_source
 
 SAMPLE = [m for m in CATALOGUE if m.sample]
 SNAKE_CASE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*$")
@@ -26,7 +28,7 @@ SNAKE_CASE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*$")
 
 @pytest.mark.parametrize("mutant", SAMPLE, ids=[m.id for m in SAMPLE])
 def test_sample_mutant_is_killed(mutant):
-    result = mutation.run_mutant(mutant, timeout_s=300)
+    result = runner.run_mutant(mutant, timeout_s=300)
     assert result["status"] == "killed", (
         f"{mutant.id} ({mutant.description}): {result['status']} after {result['seconds']} s; "
         f"the gate no longer catches this bug. Last lines: {result['detail']}")
@@ -44,8 +46,8 @@ def test_sample_is_small_and_spans_kernels():
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.id for m in CATALOGUE])
 def test_catalogue_snippet_applies_exactly_once(mutant):
-    mutated = mutation.mutated_source(mutant)  # raises CatalogueError unless exactly once
-    original = (mutation.PROJECT_ROOT / mutant.file).read_text()
+    mutated = mutated_source(mutant)  # raises CatalogueError unless exactly once
+    original = (runner.PROJECT_ROOT / mutant.file).read_text()
     assert mutated != original, f"{mutant.id}: the replacement changes nothing"
     compile(mutated, mutant.file, "exec")  # a mutant must be a bug, not a syntax error
 
@@ -83,7 +85,7 @@ def test_absent_snippet_raises():
     bad = Mutant("absent", "blockwise_ffn", "kernels/blockwise_ffn.py", find="this text is not in the file\n",
                  replace="", description="absent snippet", bug_class="none")
     with pytest.raises(CatalogueError, match="0 times"):
-        mutation.mutated_source(bad)
+        mutated_source(bad)
 
 
 def test_ambiguous_snippet_raises(tmp_path):
@@ -92,49 +94,56 @@ def test_ambiguous_snippet_raises(tmp_path):
     twice = Mutant("twice", "blockwise_ffn", "kernels/k.py", find="x = 1\n", replace="x = 2\n",
                    description="ambiguous snippet", bug_class="none")
     with pytest.raises(CatalogueError, match="2 times"):
-        mutation.mutated_source(twice, tmp_path)
+        mutated_source(twice, tmp_path)
     once = dataclasses.replace(twice, find="x = 1\nx = 1\n", replace="x = 1\nx = 2\n")
-    mutation.apply(once, tmp_path)
+    apply(once, tmp_path)
     assert (tmp_path / "kernels" / "k.py").read_text() == "x = 1\nx = 2\n"
 
 
 def test_select_rejects_unknown_ids():
     with pytest.raises(CatalogueError, match="unknown"):
-        mutation.select(CATALOGUE, ids=["no-such-mutant"])
-    assert mutation.select(CATALOGUE, sample=True) == SAMPLE
+        runner.select(CATALOGUE, ids=["no-such-mutant"])
+    assert runner.select(CATALOGUE, sample=True) == SAMPLE
 
 
 def test_summarize_excludes_equivalent_and_invalid():
     rows = [{"family": "f", "status": s} for s in ("killed", "killed", "survived", "equivalent", "invalid")]
-    summary = mutation.summarize(rows)
+    summary = runner.summarize(rows)
     assert summary["kill_rate"] == pytest.approx(2 / 3)
     assert summary["per_kernel"]["f"]["kill_rate"] == pytest.approx(2 / 3)
 
 
 
 def test_gate_command_runs_one_family_or_the_whole_gate_with_x(tmp_path):
-    family = mutation.gate_command("ring_attention", tmp_path)
-    whole = mutation.gate_command(None, tmp_path)
+    family = runner.gate_command("ring_attention", tmp_path)
+    whole = runner.gate_command(None, tmp_path)
     assert "-x" in family and "-x" in whole
     assert family[family.index("--attncheck-kernel") + 1] == "ring_attention"
     assert "--attncheck-kernel" not in whole and whole[whole.index("-n") + 1] == "auto"
 
 
-def test_a_run_stopped_by_x_under_xdist_is_a_kill_and_other_crashes_are_invalid():
-    stopped = "!!! xdist.dsession.Interrupted: stopping after 1 failures !!!\n1 failed, 3 passed"
-    assert mutation.verdict(2, stopped, None) == "killed"
-    assert mutation.verdict(1, "1 failed", None) == "killed"
-    assert mutation.verdict(2, "ERROR collecting tests/gate/test_gate.py", None) == "invalid"
-    assert mutation.verdict(0, "9 passed", None) == "survived"
-    assert mutation.verdict(0, "9 passed", "no observable difference") == "equivalent"
+def _mutated_run(directory, verdict: str | None, failures: int = 0, failed: tuple[str, ...] = ()):
+    """A mutated run's report directory as the gate leaves it (verdict None: no report)."""
+    directory.mkdir(exist_ok=True)
+    if verdict is not None:
+        (directory / "report.json").write_text(json.dumps({"verdict": verdict, "totals": {"failures": failures}}))
+    cases = "".join(f'<testcase classname="test_gate.py" name="{name}"><failure message="x"/></testcase>'
+                    for name in failed)
+    (directory / "junit.xml").write_text(f'<testsuites><testsuite>{cases}'
+                                         '<testcase classname="test_gate.py" name="ok"/></testsuite></testsuites>')
+    return directory
 
 
-def test_the_tests_that_caught_a_mutant_are_read_from_the_summary():
-    output = ("tests/gate/test_gate.py F.\n"
-              "FAILED tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-coverage] - Assert\n"
-              "FAILED tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-drawn]\n"
-              "1 failed, 3 passed\n")
-    assert mutation.failed_tests(output) == [
-        "tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-coverage]",
-        "tests/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-xla-drawn]"]
-    assert mutation.failed_tests("9 passed") == []
+def test_the_verdict_of_a_mutant_comes_from_the_mutated_runs_report(tmp_path):
+    caught = "test_kernel_matches_oracle[blockwise_ffn-builtin-xla-coverage]"
+    # A failing case (a run stopped by -x under xdist is incomplete and still a kill).
+    assert runner.verdict(_mutated_run(tmp_path / "a", "FAIL", 4, (caught,)), None) == (
+        "killed", [f"test_gate.py::{caught}"])
+    # A test that failed without a record (an invalid input accepted) kills it too.
+    assert runner.verdict(_mutated_run(tmp_path / "b", "FAIL", 0, ("test_invalid[x]",)), None)[0] == "killed"
+    assert runner.verdict(_mutated_run(tmp_path / "c", "PASS"), None) == ("survived", [])
+    assert runner.verdict(_mutated_run(tmp_path / "d", "PASS"), "no observable difference") == ("equivalent", [])
+    # A run that failed for another reason, verified nothing, or wrote no report proves nothing.
+    assert runner.verdict(_mutated_run(tmp_path / "e", "FAIL"), None) == ("invalid", [])
+    assert runner.verdict(_mutated_run(tmp_path / "f", "NO CASES"), None) == ("invalid", [])
+    assert runner.verdict(_mutated_run(tmp_path / "g", None), None) == ("invalid", [])

@@ -1,22 +1,19 @@
-"""Mutation testing: plant one known bug in a copy of the project and see the gate fail.
+"""The mutation runner: plant each mutant in a temporary copy of the project, run the gate
+with ``-x``, and classify the mutant from the mutated run's own report:
 
-Each mutant is an exact source snippet in a file under ``kernels/`` and its replacement.
-The runner copies the project to a temporary directory, applies the mutant (raising if
-the snippet does not occur exactly once, so the catalogue cannot rot silently), runs the
-gate for that kernel family with ``-x`` and the CI profile, and classifies the mutant:
-
-- killed: the gate failed (time to kill recorded);
+- killed: the gate failed a case or a test (time to kill recorded, with the tests that
+  caught it);
 - survived: the gate passed: the suite is blind to this bug (or the mutant is equivalent,
   which the catalogue must then say, with the reason);
 - timed out: the gate ran past the limit (a hang counts as detected only if the per-test
   timeout turned it into a failure);
-- invalid: the mutated project did not even collect (a catalogue error, not a kill).
+- invalid: the mutated run verified nothing or failed for another reason (a catalogue or
+  harness error, not a kill).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import json
 import os
@@ -26,51 +23,23 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 
-from attncheck.specs.base import COVERAGE_CACHE_ENV, cache_root_setting
+from attncheck.coverage import CACHE_ENV, cache_root_setting
+from attncheck.mutation.mutant import PROJECT_ROOT, CatalogueError, Mutant, apply, mutated_source
 
-PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What a mutated copy needs to run the gate.
 COPIED = ("attncheck", "kernels", "tests", "pyproject.toml")
 MUTANT_TIMEOUT_S = 900
-
-
-@dataclasses.dataclass(frozen=True)
-class Mutant:
-    id: str
-    family: str  # the KernelSpec name whose gate must kill it
-    file: str  # path under the project root
-    find: str
-    replace: str
-    description: str
-    bug_class: str
-    equivalent: str | None = None  # why no observable difference is possible, if so
-    sample: bool = False  # part of the small PR-gate sample (fast to kill)
-
-
-class CatalogueError(RuntimeError):
-    pass
-
-
-def mutated_source(mutant: Mutant, root: pathlib.Path = PROJECT_ROOT) -> str:
-    source = (root / mutant.file).read_text()
-    count = source.count(mutant.find)
-    if count != 1:
-        raise CatalogueError(f"mutant {mutant.id}: snippet occurs {count} times in {mutant.file} "
-                             f"(must be exactly once):\n{mutant.find}")
-    return source.replace(mutant.find, mutant.replace)
-
-
-def apply(mutant: Mutant, root: pathlib.Path) -> None:
-    (root / mutant.file).write_text(mutated_source(mutant, root))
 
 
 def gate_command(family: str | None, report_dir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
     """The family's gate with -x; with family None the whole gate as a developer runs it
     (-x -n auto), which is what the time to kill of a PR means."""
     selection = ("--attncheck-kernel", family) if family else ("-n", "auto")
-    return [sys.executable, "-m", "pytest", "tests/gate", "-x", "-q", "-p", "no:cacheprovider",
-            "--hypothesis-profile=ci", *selection, "--attncheck-report", str(report_dir), *extra]
+    return [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "tests/gate", "-x", "-q",
+            "-p", "no:cacheprovider", "--hypothesis-profile=ci", *selection, "--attncheck-report", str(report_dir),
+            *extra]
 
 
 def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: bool = False) -> dict:
@@ -86,32 +55,44 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
         apply(mutant, root)
         # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
         # change only kernels/, so the copies reuse this checkout's coverage examples.
-        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{COVERAGE_CACHE_ENV: cache_root_setting()})
+        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{CACHE_ENV: cache_root_setting()})
+        report_dir = root / "reports"
         try:
-            proc = subprocess.run(gate_command(None if whole_gate else mutant.family, root / "reports"),
+            proc = subprocess.run(gate_command(None if whole_gate else mutant.family, report_dir),
                                   cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return _result(mutant, "timed out", start, f"no verdict within {timeout_s:.0f} s")
-    output = proc.stdout + proc.stderr
-    tail = output.strip().splitlines()[-3:]
-    return _result(mutant, verdict(proc.returncode, output, mutant.equivalent), start, " | ".join(tail),
-                   killed_by=failed_tests(output))
+        status, caught = verdict(report_dir, mutant.equivalent)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    return _result(mutant, status, start, " | ".join(tail), killed_by=caught)
 
 
-def failed_tests(output: str) -> list[str]:
-    """The tests pytest's summary names as failed: which part of the gate (a family's
+def failed_tests(junit: pathlib.Path) -> list[str]:
+    """The tests junit.xml says failed or errored: which part of the gate (a family's
     coverage examples or its drawn cases) caught the mutant."""
-    return sorted({line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")})
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    return sorted({f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
+                   if case.find("failure") is not None or case.find("error") is not None})
 
 
-def verdict(returncode: int, output: str, equivalent: str | None) -> str:
-    """Classify a gate run on a mutant. xdist reports a run stopped by -x as interrupted
-    (exit 2, "stopping after 1 failures"): that is a kill, not a broken catalogue entry."""
-    if returncode == 1 or (returncode == 2 and "stopping after 1 failures" in output):
-        return "killed"
-    if returncode == 0:
-        return "equivalent" if equivalent else "survived"
-    return "invalid"
+def verdict(report_dir: pathlib.Path, equivalent: str | None) -> tuple[str, list[str]]:
+    """(status, tests that caught it) from the mutated run's report: a FAIL with a failing
+    record or a failed test is a kill (a run stopped by -x is incomplete, and still one);
+    a PASS is a survivor; anything else (no report, NO CASES, a FAIL of the harness) is
+    invalid."""
+    try:
+        report = json.loads((report_dir / "report.json").read_text())
+    except (OSError, ValueError):
+        return "invalid", []
+    caught = failed_tests(report_dir / "junit.xml")
+    if report.get("verdict") == "FAIL" and (caught or report["totals"]["failures"]):
+        return "killed", caught
+    if report.get("verdict") == "PASS":
+        return ("equivalent" if equivalent else "survived"), []
+    return "invalid", []
 
 
 def _result(mutant: Mutant, status: str, start: float, detail: str, killed_by: list[str] = ()) -> dict:
@@ -146,7 +127,7 @@ def select(catalogue: list[Mutant], *, kernel=None, ids=None, sample=False) -> l
 
 
 def main(args) -> int:
-    from attncheck.mutants import CATALOGUE
+    from attncheck.mutation.catalogue import CATALOGUE
 
     chosen = select(CATALOGUE, kernel=args.kernel, ids=args.mutant, sample=args.sample)
     for m in chosen:  # every snippet must apply before anything runs

@@ -1,4 +1,4 @@
-"""The mutant catalogue: known kernel bugs the gate must catch (see attncheck.mutation).
+"""The mutant catalogue: known kernel bugs the gate must catch (see attncheck.mutation.runner).
 
 Each entry plants one realistic bug in one kernel (``find`` occurs exactly once in
 ``file``; the runner refuses it otherwise). ``bug_class`` names the kind of bug (the
@@ -8,7 +8,7 @@ classes of issue 9); ``equivalent`` says why a mutant cannot be observed, when i
 
 from __future__ import annotations
 
-from attncheck.mutation import Mutant
+from attncheck.mutation.mutant import Mutant
 
 FLASH = "kernels/flash_attention.py"
 RAGGED = "kernels/ragged_paged_attention.py"
