@@ -1,34 +1,50 @@
-"""attncheck command line: report | repro CASE_ID | baseline update | durations update | mutate."""
+"""attncheck command line: gate | report | repro CASE_ID | budgets accept | durations update | mutate.
+
+Every bad or missing input ends in one line naming it and a non-zero exit, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
-from attncheck import xla_env
-
-xla_env.configure_before_jax_import()
-
-DEFAULT_REPORT = "reports/latest"
+from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT
 
 
-def _find_record(report_dir: pathlib.Path, case_id: str, impl: str | None, backend: str | None) -> dict:
-    from attncheck.report import records as rec
+class CommandError(Exception):
+    """What the user gave cannot be used; the message says which input and why."""
 
-    candidates = []
-    report = report_dir / "report.json"
-    if report.exists():
-        candidates = json.loads(report.read_text())["records"]
-    if not candidates:
-        candidates, _ = rec.read_records(report_dir)
-    matches = [r for r in candidates if r["case_id"] == case_id
-               and (impl is None or r["impl"] == impl) and (backend is None or r["backend"] == backend)]
-    if not matches:
-        raise SystemExit(f"attncheck repro: no record of case {case_id!r} in {report_dir} "
-                         f"(impl={impl}, backend={backend}); run the gate first or pass --report")
-    return matches[0]
+
+def _read_report(report_dir: pathlib.Path) -> dict:
+    path = report_dir / "report.json"
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CommandError(f"{path} does not exist: run the gate first, or pass --report DIR") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CommandError(f"{path} is not a readable report ({exc}); `attncheck report --report "
+                           f"{report_dir}` merges it again from its records") from None
+    if not isinstance(report, dict) or not isinstance(report.get("records"), list):
+        raise CommandError(f"{path} is not an attncheck report (no records list)")
+    return report
+
+
+def cmd_gate(args, extra: list[str]) -> int:
+    """The gate, as ``pytest --pyargs attncheck.gate`` with the CI defaults; extra
+    arguments go to pytest (more test paths, -k, --attncheck-impl, ...)."""
+    defaults = ["-n", "auto"] if not any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in extra) else []
+    profile = [] if any(a.startswith("--hypothesis-profile") for a in extra) else ["--hypothesis-profile=ci"]
+    command = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "--attncheck", *defaults, *profile,
+               *extra]
+    rc = subprocess.call(command)
+    if rc == 5:  # pytest's "no tests collected": the report says NO CASES; the exit says failure
+        print("attncheck gate: no tests were collected", file=sys.stderr)
+        return 1
+    return rc
 
 
 def _describe_index(spec, direction: str, index) -> str:
@@ -39,57 +55,104 @@ def _describe_index(spec, direction: str, index) -> str:
 
 
 def cmd_repro(args) -> int:
-    from attncheck import backends, gate, specs
+    from attncheck import env
 
-    record = _find_record(pathlib.Path(args.report), args.case_id, args.impl, args.backend)
-    case = specs.Case.from_json(record["case"])
-    specs.add_spec_modules(args.spec)
-    if case.family not in specs.all_specs():
-        raise SystemExit(f"attncheck repro: unknown kernel family {case.family!r} (known: "
-                         f"{', '.join(sorted(specs.all_specs()))}); pass --spec MODULE for a user spec")
-    spec = specs.all_specs()[case.family]
-    backend_name = args.backend or record["backend"]
-    impl = specs.resolve_impl(record["impl_ref"])
-    print(f"case {case.id}: {spec.name} / {record['impl']} ({record['impl_ref']}) on {backend_name}")
-    print("  parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(case.params.items())) + f", seed={case.seed}")
-    outcome = gate.check_case(spec, record["impl"], impl, case, backends.BACKENDS[backend_name])
+    env.configure()  # before jax starts: ring cases run on several simulated devices
+    from attncheck import check, specs
+    from attncheck.backends import BACKENDS
+    from attncheck.report.records import Record
+
+    report_dir = pathlib.Path(args.report)
+    matches = [r for r in _read_report(report_dir)["records"] if r.get("case_id") == args.case_id
+               and (args.impl is None or r.get("impl") == args.impl)
+               and (args.backend is None or r.get("backend") == args.backend)]
+    if not matches:
+        raise CommandError(f"no record of case {args.case_id!r} in {report_dir / 'report.json'} "
+                           f"(impl={args.impl}, backend={args.backend}); run the gate first or pass --report")
+    record = Record.from_json(matches[0])
+    try:
+        specs.use_spec_modules(args.spec)
+        known = specs.all_specs()
+    except ValueError as exc:
+        raise CommandError(f"--spec: {exc}") from None
+    family = record.case["family"]
+    if family not in known:
+        raise CommandError(f"unknown kernel family {family!r} (known: {', '.join(sorted(known))}); "
+                           "pass --spec MODULE for a user spec")
+    spec = known[family]
+    backend_name = args.backend or record.backend
+    if backend_name not in BACKENDS:
+        raise CommandError(f"--backend {backend_name!r}: unknown; known: {', '.join(BACKENDS)}")
+    try:
+        impl = specs.resolve_impl(record.impl_ref)
+        case = spec.case_from_json(record.case)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CommandError(f"case {args.case_id}: {exc}") from None
+    backend = BACKENDS[backend_name]
+    if (reason := backend.unavailable_reason()) is not None:
+        raise CommandError(f"backend {backend_name} is unavailable here: {reason}")
+    print(f"case {case.id}: {spec.name} / {record.impl} ({record.impl_ref}) on {backend_name}")
+    print("  parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(case.params.to_json().items()))
+          + f", seed={case.seed}")
+    outcome = check.check_case(check.Target(spec, record.impl, impl, backend), case, report_dir=args.report)
     for r in outcome.records:
-        line = f"  {r['direction']:>10}: {r['outcome'].upper():5} {r['reason']}"
-        metrics = r.get("metrics")
-        if metrics and metrics.get("worst_index") is not None:
-            line += (f"\n{'':14}worst at {_describe_index(spec, r['direction'], metrics['worst_index'])}: "
-                     f"kernel {metrics['worst_kernel']:.7g} vs oracle {metrics['worst_oracle']:.7g} "
-                     f"(baseline error {metrics['baseline_err']:.3g}, allowed {metrics['allowed']:.3g}, "
-                     f"budget {float(metrics['budget']):.3g}, ulp p99 {metrics['ulp_p99']:.3g})")
-        if r.get("traceback") and args.verbose:
-            line += "\n" + r["traceback"]
+        line = f"  {r.direction:>10}: {r.outcome.upper():5} {r.reason}"
+        m = r.metrics
+        if m is not None and m.worst_index is not None:
+            line += (f"\n{'':14}worst at {_describe_index(spec, r.direction, m.worst_index)}: "
+                     f"kernel {m.worst_kernel:.7g} vs oracle {m.worst_oracle:.7g} "
+                     f"(yardstick error {m.yardstick_err:.3g}, allowed {m.allowed:.3g}, "
+                     f"budget {m.budget:.3g}, ulp p99 {m.ulp_p99:.3g})")
+        if r.traceback and args.verbose:
+            line += "\n" + r.traceback
         print(line)
     return 1 if outcome.failures else 0
 
 
 def cmd_report(args) -> int:
+    from attncheck import specs
+    from attncheck.report import merge, render
     from attncheck.report import records as rec
-    from attncheck.report import render
 
     directory = pathlib.Path(args.report)
-    records, _ = rec.read_records(directory)
-    if not records:
-        print(f"attncheck report: no records under {directory / rec.RECORDS_DIR}", file=sys.stderr)
-        return 2
-    # A merge done here (not by the pytest controller) is of a run that did not finish.
-    result = render.write_reports(directory, run_id=records[0]["run_id"], complete=args.complete,
-                                  baseline_path=args.baseline)
-    print((directory / "report.md").read_text())
-    return 1 if result.problems or result.report["totals"]["failures"] else 0
+    runs = rec.run_ids(directory)
+    if not runs:
+        raise CommandError(f"no run recorded under {directory / rec.RECORDS_DIR}")
+    run_id = args.run or runs[-1]
+    if run_id not in runs:
+        raise CommandError(f"--run {run_id}: no such run under {directory / rec.RECORDS_DIR} "
+                           f"(recorded: {', '.join(runs)})")
+    info = rec.RunInfo.read(directory, run_id)
+    last = rec.last_activity(directory, run_id)
+    wall = None if info is None or last is None else last - info.started
+    # A merge done here (not by the pytest session) is of a run that did not finish.
+    outcome = merge.RunOutcome(complete=args.complete, wall_s=wall)
+    try:
+        report = merge.merge(directory, run_id, outcome,
+                             applicable={s.name: s.class_names for s in specs.all_specs().values()},
+                             accepted_path=args.accepted_budgets)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    render.write(directory, report)
+    print((directory / "report.md").read_text(encoding="utf-8"))
+    return 0 if report.verdict == "PASS" else 1
 
 
-def cmd_baseline_update(args) -> int:
-    from attncheck.report import render
+def cmd_budgets_accept(args) -> int:
+    from attncheck import accepted
+    from attncheck.report.model import SummaryRow
 
-    report = json.loads((pathlib.Path(args.report) / "report.json").read_text())
-    baseline = render.baseline_from(report)
-    pathlib.Path(args.output).write_text(json.dumps(baseline, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {len(baseline['budgets'])} accepted budgets to {args.output}")
+    report = _read_report(pathlib.Path(args.report))
+    if report.get("verdict") not in ("PASS", None):
+        raise CommandError(f"{args.report}: the run's verdict is {report.get('verdict')}; accept the budgets "
+                           "of a passing run")
+    try:
+        rows = [SummaryRow(**row) for row in report.get("summary", [])]
+    except TypeError as exc:
+        raise CommandError(f"{args.report}/report.json: unreadable summary ({exc})") from None
+    budgets = accepted.from_summary(rows)
+    accepted.write(pathlib.Path(args.output), budgets)
+    print(f"wrote {len(budgets)} accepted budgets to {args.output}")
     return 0
 
 
@@ -98,24 +161,39 @@ def cmd_durations_update(args) -> int:
 
     measured = pathlib.Path(args.report) / scheduling.REPORT_FILE
     if not measured.is_file():
-        raise SystemExit(f"attncheck durations update: {measured} does not exist; run the tests first")
-    count = scheduling.merge_into(pathlib.Path(args.output), measured)
+        raise CommandError(f"{measured} does not exist; run the tests first")
+    try:
+        count = scheduling.merge_into(pathlib.Path(args.output), measured)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     print(f"wrote {count} test durations to {args.output}")
     return 0
 
 
 def cmd_mutate(args) -> int:
-    from attncheck import mutation
+    from attncheck.mutation import runner
+    from attncheck.mutation.mutant import CatalogueError
 
-    return mutation.main(args)
+    try:
+        return runner.main(args)
+    except CatalogueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _add_report(parser, default=DEFAULT_REPORT) -> None:
+    parser.add_argument("--report", default=default, help="report directory (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from attncheck import accepted
+
     parser = argparse.ArgumentParser(prog="attncheck", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("gate", help="run the gate (pytest --pyargs attncheck.gate); other arguments go to pytest")
+    p.set_defaults(func=cmd_gate, passthrough=True)
     p = sub.add_parser("repro", help="rerun one recorded case and show where it differs")
     p.add_argument("case_id")
-    p.add_argument("--report", default=DEFAULT_REPORT)
+    _add_report(p)
     p.add_argument("--impl", default=None)
     p.add_argument("--backend", default=None)
     p.add_argument("--spec", action="append", default=[], metavar="MODULE",
@@ -123,20 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_repro)
     p = sub.add_parser("report", help="(re)merge the records of a run into its reports")
-    p.add_argument("--report", default=DEFAULT_REPORT)
-    p.add_argument("--baseline", default=None)
+    _add_report(p)
+    p.add_argument("--run", default=None, metavar="RUN_ID", help="the run to merge (default: the newest)")
+    p.add_argument("--accepted-budgets", default=None, metavar="PATH")
     p.add_argument("--complete", action="store_true", help="the run finished (default: mark incomplete)")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("baseline", help="manage reports/baseline.json")
-    bsub = p.add_subparsers(dest="action", required=True)
-    u = bsub.add_parser("update", help="accept the worst budgets of a passing run")
-    u.add_argument("--report", default=DEFAULT_REPORT)
-    u.add_argument("--output", default="reports/baseline.json")
-    u.set_defaults(func=cmd_baseline_update)
+    for name, help_text in (("budgets", "manage the accepted budgets"),
+                            ("baseline", "deprecated name of `budgets`")):
+        p = sub.add_parser(name, help=help_text)
+        bsub = p.add_subparsers(dest="action", required=True)
+        u = bsub.add_parser("accept" if name == "budgets" else "update",
+                            help="accept the worst budgets of a passing run")
+        _add_report(u)
+        u.add_argument("--output", default=str(accepted.DEFAULT_FILE))
+        u.set_defaults(func=cmd_budgets_accept, deprecated=name == "baseline")
     p = sub.add_parser("durations", help="manage the test durations that order the run")
     dsub = p.add_subparsers(dest="action", required=True)
     u = dsub.add_parser("update", help="merge the durations of a run into the committed file")
-    u.add_argument("--report", default="reports/test")
+    _add_report(u, "reports/test")
     u.add_argument("--output", default="tests/durations.json")
     u.set_defaults(func=cmd_durations_update)
     p = sub.add_parser("mutate", help="run the mutant catalogue against the gate")
@@ -146,15 +228,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", action="store_true", help="only the PR-gate sample of fast mutants")
     p.add_argument("--whole-gate", action="store_true",
                    help="run the whole gate (-x -n auto) against each mutant, not only its family's")
-    p.add_argument("--report", default=DEFAULT_REPORT)
+    _add_report(p)
     p.set_defaults(func=cmd_mutate)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gate"]:  # everything after `gate` is pytest's
+        return cmd_gate(None, argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if getattr(args, "deprecated", False):
+        print("attncheck: `baseline update` is deprecated, use `budgets accept`", file=sys.stderr)
+    try:
+        return args.func(args)
+    except CommandError as exc:
+        print(f"attncheck {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

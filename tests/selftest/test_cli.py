@@ -1,5 +1,6 @@
-"""The ``attncheck`` command line on toy gate runs: repro, report, baseline update, and the
-gate's --attncheck-baseline. The CLI runs as ``python -m attncheck`` with cwd = the run's dir."""
+"""The ``attncheck`` command line on toy gate runs: repro, report, budgets accept, and the
+gate's --attncheck-accepted-budgets; every bad input is one clear line. The CLI runs as
+``python -m attncheck`` with cwd = the run's dir."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shlex
 
 import pytest
 
-from attncheck.report import records as rec
+from attncheck.report.records import Record
 from tests.selftest import toy_spec
 
 pytest_plugins = ("pytester",)
@@ -24,7 +25,7 @@ def gate_dir(pytester, monkeypatch):
 
 
 def _keys(report: dict) -> list[tuple]:
-    return sorted((rec.record_key(r), r["outcome"]) for r in report["records"])
+    return sorted((Record.from_json(r).key, r["outcome"]) for r in report["records"])
 
 
 def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
@@ -38,8 +39,8 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
 
     # The reproducer exactly as the report prints it.
     argv = shlex.split(failing[0]["repro"])
-    assert argv[:3] == ["attncheck", "repro", case_id]
-    proc = toy_spec.cli(gate_dir, *argv[1:], "--report", "rep")
+    assert argv[:3] == ["attncheck", "repro", case_id] and argv[-2:] == ["--report", "rep"]
+    proc = toy_spec.cli(gate_dir, *argv[1:])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
     assert f"case {case_id}: toy_attention / user ({toy_spec.SPEC_MODULE}:toy_attention_wrong_scale) on xla" in out
@@ -66,7 +67,7 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
         (gate_dir / "rep" / name).unlink()
     proc = toy_spec.cli(gate_dir, "report", "--report", "rep")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("# attncheck: FAIL") and f"`{case_id}`" in proc.stdout
+    assert proc.stdout.startswith("# attncheck: FAIL") and f"<code>{case_id}</code>" in proc.stdout
     merged = toy_spec.load_report(gate_dir / "rep")
     assert _keys(merged) == _keys(report) and merged["run_id"] == report["run_id"]
     assert merged["complete"] is False and (gate_dir / "rep" / "report.html").exists()
@@ -75,12 +76,12 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
     assert toy_spec.load_report(gate_dir / "rep")["complete"] is True
 
 
-def test_baseline_update_then_a_grown_budget_is_a_numerics_regression(gate_dir, pytester):
+def test_budgets_accept_then_a_grown_budget_is_a_numerics_regression(gate_dir, pytester):
     result = toy_spec.run_gate(pytester, "rep")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     report = toy_spec.load_report(gate_dir / "rep")
 
-    proc = toy_spec.cli(gate_dir, "baseline", "update", "--report", "rep", "--output", "baseline.json")
+    proc = toy_spec.cli(gate_dir, "budgets", "accept", "--report", "rep", "--output", "baseline.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     baseline = json.loads((gate_dir / "baseline.json").read_text())
     # One accepted budget per implementation x dtype x direction.
@@ -94,18 +95,62 @@ def test_baseline_update_then_a_grown_budget_is_a_numerics_regression(gate_dir, 
     shrunk = {**baseline, "budgets": [{**b, "worst_budget": b["worst_budget"] / 10} for b in baseline["budgets"]]}
     (gate_dir / "shrunk.json").write_text(json.dumps(shrunk))
     # The toy's budgets sit below the default noise floor: judge growth from 0 here.
-    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-baseline=shrunk.json",
+    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-accepted-budgets=shrunk.json",
                                "--attncheck-regression-floor=0")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines(["GATE FAILURE: numerics regression: toy_attention/builtin/xla/*"])
     regressed = toy_spec.load_report(gate_dir / "rep2")
-    assert regressed["totals"]["failures"] == 0  # every comparison passed: only the baseline fails it
+    assert regressed["totals"]["failures"] == 0  # every comparison passed: only the accepted budgets fail it
     assert len(regressed["regressions"]) == len(baseline["budgets"])
     assert set(regressed["regressions"]) <= set(regressed["problems"])
     markdown = (gate_dir / "rep2" / "report.md").read_text()
     assert markdown.startswith("# attncheck: FAIL") and "numerics regression: toy_attention/lse/xla/" in markdown
 
-    # Against the real baseline the same records are no regression.
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep2", "--complete", "--baseline", "baseline.json")
+    # Against the accepted budgets themselves the same records are no regression.
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep2", "--complete", "--accepted-budgets", "baseline.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert toy_spec.load_report(gate_dir / "rep2")["regressions"] == []
+
+
+def test_the_old_option_and_command_names_still_work_with_a_deprecation_message(gate_dir, pytester):
+    result = toy_spec.run_gate(pytester, "rep")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    proc = toy_spec.cli(gate_dir, "baseline", "update", "--report", "rep", "--output", "accepted.json")
+    assert proc.returncode == 0 and "deprecated, use `budgets accept`" in proc.stderr, proc.stderr
+    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-baseline=accepted.json")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["*--attncheck-baseline is deprecated*"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("repro", "toy_attention-000000000000", "--report", "missing"), "missing/report.json does not exist"),
+    (("repro", "toy_attention-000000000000", "--report", "truncated"), "is not a readable report"),
+    (("report", "--report", "missing"), "no run recorded under missing/records"),
+    (("budgets", "accept", "--report", "missing"), "missing/report.json does not exist"),
+    (("durations", "update", "--report", "missing"), "missing/durations.json does not exist"),
+    (("mutate", "--mutant", "no-such-mutant"), "unknown mutant id"),
+])
+def test_every_bad_input_of_the_cli_is_one_clear_line(gate_dir, args, message):
+    (gate_dir / "truncated").mkdir()
+    (gate_dir / "truncated" / "report.json").write_text('{"records": [')
+    proc = toy_spec.cli(gate_dir, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_repro_of_an_unimportable_implementation_or_a_non_utf8_record_is_one_clear_line(gate_dir, pytester):
+    result = toy_spec.run_gate(pytester, "rep")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    report = toy_spec.load_report(gate_dir / "rep")
+    case_id = report["records"][0]["case_id"]
+    for r in report["records"]:
+        r["impl_ref"] = "no_such_module:fn"
+    (gate_dir / "rep" / "report.json").write_text(json.dumps(report))
+    proc = toy_spec.cli(gate_dir, "repro", case_id, "--report", "rep", "--spec", toy_spec.SPEC_MODULE)
+    assert proc.returncode == 2 and "cannot import 'no_such_module'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # A records file with a byte that is not UTF-8: the merge names it, it does not crash.
+    records = sorted((gate_dir / "rep" / "records").glob("*.jsonl"))[0]
+    records.write_bytes(records.read_bytes() + b"\xff\n")
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep")
+    assert proc.returncode == 1 and "not UTF-8" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
