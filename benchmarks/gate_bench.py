@@ -5,7 +5,7 @@ persistent compilation cache: see attncheck/compile_cache.py), with the report w
 reports/bench/n<mode>/, and prints per run: wall time, CPU time of the pytest processes,
 cases verified, cases per minute, peak RSS per worker, time each worker spent in cases, and
 the phases summed from the records (inputs, kernel = trace + compile + run, oracle,
-baseline, compare, lowering), per kernel and backend; the harness overhead is everything
+yardstick, compare, lowering), per kernel and backend; the harness overhead is everything
 that is not kernel or lowering time (kernel time includes what the tests that make no
 comparison record measured around their own kernel calls, and the compile of a kernel's
 own function that building the inputs needs: the ring dropout mask). Writes
@@ -31,16 +31,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "reports" / "bench"
 # Per case (the same in each direction's record) and per comparison; the *_compile_s ones
 # are the trace + lower + XLA compile (or cache load) part of the phase before them.
-CASE_PHASES = ("inputs_s", "inputs_compile_s", "kernel_s", "kernel_compile_s", "oracle_s", "baseline_s",
-               "baseline_compile_s")
-PHASES = ("inputs_s", "inputs_compile_s", "kernel_s", "kernel_compile_s", "lower_s", "oracle_s", "baseline_s",
-          "baseline_compile_s", "compare_s")
+CASE_PHASES = ("inputs_s", "inputs_compile_s", "kernel_s", "kernel_compile_s", "oracle_s", "yardstick_s",
+               "yardstick_compile_s")
+PHASES = ("inputs_s", "inputs_compile_s", "kernel_s", "kernel_compile_s", "lower_s", "oracle_s", "yardstick_s",
+          "yardstick_compile_s", "compare_s")
 
 
 def run_gate(mode: str, extra: list[str]) -> dict:
     report_dir = OUT / f"n{mode}"
-    cmd = [sys.executable, "-m", "pytest", "tests/gate", "-q", "-n", mode, "--hypothesis-profile=ci",
-           "--attncheck-report", str(report_dir), *extra]
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "tests/gate", "-q", "-n", mode,
+           "--hypothesis-profile=ci", "--attncheck-report", str(report_dir), *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

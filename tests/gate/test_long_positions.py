@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attncheck import baseline, numerics, oracle
+from attncheck import numerics, oracle, yardstick
 from attncheck import strategies as S
 
 pytestmark = [pytest.mark.gate, pytest.mark.attncheck_family("ring_attention")]
@@ -33,8 +33,8 @@ def test_causal_ring_attention_past_int16_positions(attncheck_kernel_time):
     q_rows = head_major(q)[:, :, rows]
     truth = oracle.attention(q_rows, head_major(k), head_major(v), scale=HEAD_DIM ** -0.5, causal=True,
                              q_positions=rows, kv_positions=np.arange(SEQ)).out
-    visible = baseline.visibility(rows, np.arange(SEQ), causal=True)
-    reference = baseline.attention(q_rows, head_major(k), head_major(v), scale=HEAD_DIM ** -0.5, visible=visible,
+    visible = yardstick.visibility(rows, np.arange(SEQ), causal=True)
+    reference = yardstick.attention(q_rows, head_major(k), head_major(v), scale=HEAD_DIM ** -0.5, visible=visible,
                                    masked_rows="zero")
     cmp = numerics.compare(head_major(out)[:, :, rows], truth, reference, dtype=np.float32, direction="out")
     assert cmp.passed, cmp.reason

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from attncheck import backends, gate
-from attncheck.specs import all_specs, make_case, resolve_impl
+from attncheck import check
+from attncheck.backends import BACKENDS
+from attncheck.specs import all_specs, resolve_impl
 
 pytestmark = pytest.mark.gate
 
@@ -22,7 +23,7 @@ def _ring(family, devices, per_device, **overrides):
     if family == "ring_attention":
         params.update(query_chunk_size=min(16, per_device), key_chunk_size=min(16, per_device), dropout_rate=0.0)
     params.update(overrides)
-    return make_case(family, 7, **params)
+    return all_specs()[family].case(7, **params)
 
 
 SEED_DEFECTS = {
@@ -48,8 +49,8 @@ SEED_DEFECTS = {
 def test_seed_defect_stays_fixed(name, attncheck_record):
     backend_name, case = SEED_DEFECTS[name]
     spec = all_specs()[case.family]
-    ref = spec.default_impls["builtin"]
-    outcome = gate.check_case(spec, "builtin", resolve_impl(ref), case, backends.BACKENDS[backend_name])
+    target = check.Target(spec, "builtin", resolve_impl(spec.default_impls["builtin"]), BACKENDS[backend_name])
+    outcome = check.check_case(target, case)
     for record in outcome.records:
         attncheck_record(record)
     assert outcome.records and not outcome.failures, outcome.summary()

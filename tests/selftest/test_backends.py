@@ -15,10 +15,16 @@ from attncheck import backends
 
 
 def test_default_selects_every_backend_and_unknown_names_are_rejected():
-    assert backends.parse_backend_option(None) == list(backends.BACKENDS)
-    assert backends.parse_backend_option("interpret, xla") == ["interpret", "xla"]
-    with pytest.raises(ValueError, match=r"--attncheck-backend: unknown backend\(s\) \['tpuu'\]"):
-        backends.parse_backend_option("interpret,tpuu")
+    from attncheck.selection import Options, SelectionError
+
+    assert Options().backend_names == list(backends.BACKENDS)
+    assert Options(backends="interpret, xla").backend_names == ["interpret", "xla"]
+    with pytest.raises(SelectionError, match=r"--attncheck-backend 'interpret,tpuu': unknown backend\(s\) \['tpuu'\]"):
+        Options(backends="interpret,tpuu").validate()
+    with pytest.raises(SelectionError, match=r"--attncheck-kernel 'flash': unknown families \['flash'\]"):
+        Options(kernels="flash").validate()
+    with pytest.raises(SelectionError, match=r"--attncheck-impl 'flash_attention=nowhere:fn': .*cannot import"):
+        Options(impls=("flash_attention=nowhere:fn",)).validate()
 
 
 def test_tpu_backend_follows_the_devices(monkeypatch):
@@ -28,13 +34,17 @@ def test_tpu_backend_follows_the_devices(monkeypatch):
     assert backends.BACKENDS["tpu"].unavailable_reason() is None
 
 
-def test_gate_parametrization_skips_unavailable_backends_with_reason(pytestconfig):
-    from tests.gate.conftest import gate_targets
+def test_gate_tests_on_unavailable_backends_are_skipped_with_the_reason():
+    from attncheck import selection
 
-    params = gate_targets(pytestconfig)
-    tpu = [p for p in params if p.values[0][3] == "tpu"]
-    assert tpu and all(m.name == "skip" and "no TPU" in m.kwargs["reason"] for p in tpu for m in p.marks)
-    assert any(not p.marks for p in params if p.values[0][3] == "interpret")
+    tests = selection.gate_tests(selection.Options())
+    tpu = [t for t in tests if t.backend_name == "tpu"]
+    assert tpu and all(t.unavailable and "no TPU" in t.unavailable for t in tpu)
+    assert any(t.unavailable is None for t in tests if t.backend_name == "interpret")
+    # Asked for by name, an unavailable backend is an error of the run, not a skip.
+    assert selection.unavailable_requests(selection.Options(backends="tpu")) == [
+        f"backend tpu requested but unavailable: {tpu[0].unavailable}"]
+    assert selection.unavailable_requests(selection.Options()) == []
 
 
 def test_hazard_variants_rotate_through_every_mode():

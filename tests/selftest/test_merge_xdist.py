@@ -45,11 +45,12 @@ def check_report(report_dir: pathlib.Path, validator) -> dict:
     report = toy_spec.load_report(report_dir)
     validator.validate(report)
     records = report["records"]
-    assert not rec.duplicates(records), rec.duplicates(records)
+    typed = [rec.Record.from_json(r) for r in records]
+    assert not rec.duplicates(typed), rec.duplicates(typed)
     assert {r["run_id"] for r in records} <= {report["run_id"]}
     # Earlier runs' files may remain (only stale ones are removed: a live run must never
     # lose records to another), but this run's files must all be there.
-    files = sorted(p.name for p in (report_dir / rec.RECORDS_DIR).glob("*.jsonl"))
+    files = sorted(p.name for p in (report_dir / rec.RECORDS_DIR).glob("*-*.*"))
     assert any(name.startswith(report["run_id"] + "-") for name in files) or not records, files
     assert report["totals"]["records"] == len(records)
     assert report["totals"]["failures"] == sum(r["outcome"] != "pass" for r in records)
@@ -121,10 +122,10 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
     assert set(collections.Counter(r["case_id"] for r in failing).values()) == {4}  # every direction fails
     case_id = failing[0]["case_id"]
     repro = f"attncheck repro {case_id} --impl user --backend xla --spec {toy_spec.SPEC_MODULE}"
-    assert repro in {r["repro"] for r in failing}
+    assert f"{repro} --report rep" in {r["repro"] for r in failing}
     markdown = (gate_dir / "rep" / "report.md").read_text()
     assert markdown.startswith("# attncheck: FAIL")
-    assert "## Failures" in markdown and f"`{case_id}`" in markdown and f"`{repro}`" in markdown
+    assert "## Failures" in markdown and f"<code>{case_id}</code>" in markdown and f"<code>{repro} --report rep</code>" in markdown
     result.stdout.fnmatch_lines([f"*reproduce: {repro}*"])
 
     # --lf with the fixed implementation: only the failed tests run (same node ids: the
@@ -132,7 +133,8 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
     rerun = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention"), "--lf")
     assert rerun.ret == pytest.ExitCode.OK, rerun.stdout.str()
     rerun.assert_outcomes(passed=2)
-    rerun.stdout.fnmatch_lines(["collected 2 items", "run-last-failure: rerun previous 2 failures*"])
+    rerun.stdout.re_match_lines([r"collected (2 items|\d+ items / \d+ deselected / 2 selected)",
+                                 "run-last-failure: rerun previous 2 failures.*"])
     fixed = check_report(gate_dir / "rep", validator)
     assert fixed["run_id"] != failed["run_id"]
     assert fixed["complete"] is True and fixed["problems"] == []
@@ -154,11 +156,14 @@ def test_interrupted_run_still_merges_and_is_marked_incomplete(gate_dir, pyteste
     report = check_report(gate_dir / "rep", validator)
     assert report["complete"] is False
     assert any(p.startswith("run interrupted") for p in report["problems"]), report["problems"]
-    # The cases before the interrupting call were recorded, completely.
-    records = report["records"]
+    # The cases before the interrupting call were recorded, completely; the interrupted one
+    # is named by an error record.
+    records = [r for r in report["records"] if r["outcome"] == "pass"]
     assert len(records) == 4 * (toy_spec.INTERRUPT_AT - 1)
     assert set(collections.Counter(r["case_id"] for r in records).values()) == {4}
-    assert {r["outcome"] for r in records} == {"pass"}
+    [lost] = [r for r in report["records"] if r["outcome"] != "pass"]
+    assert lost["case_id"] not in {r["case_id"] for r in records}
+    assert (lost["outcome"], lost["direction"]) == ("error", "all") and "never finished" in lost["reason"]
     markdown = (gate_dir / "rep" / "report.md").read_text()
     assert markdown.startswith("# attncheck: FAIL") and "(**incomplete**)" in markdown
 
@@ -171,12 +176,14 @@ def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, vali
     result.assert_outcomes(failed=1, passed=INVALID_TESTS)
     result.stdout.re_match_lines([r".*Failed: Timeout \(>5\.0s\) from pytest-timeout", f"FAILED {re.escape(USER_TEST)}"])
     report = check_report(gate_dir / "rep", validator)
-    assert report["complete"] is True
-    assert report["records"] == []  # the hung case never produced a comparison
-    assert any(p.startswith(f"{USER_TEST} failed without a failing record: Failed: Timeout (>5.0s)")
-               for p in report["problems"]), report["problems"]
+    assert report["complete"] is True and report["verdict"] == "FAIL"
+    # The hung case never produced a comparison: its started marker names it.
+    [hung] = report["records"]
+    assert (hung["nodeid"], hung["direction"], hung["outcome"]) == (USER_TEST, "all", "error")
+    assert hung["reason"].startswith("case started but never finished: Failed: Timeout (>5.0s)"), hung["reason"]
+    assert hung["repro"].startswith(f"attncheck repro {hung['case_id']} --impl user --backend xla")
     markdown = (gate_dir / "rep" / "report.md").read_text()
-    assert markdown.startswith("# attncheck: FAIL") and "Timeout (>5.0s)" in markdown
+    assert markdown.startswith("# attncheck: FAIL") and "Timeout (&gt;5.0s)" in markdown
 
 
 @pytest.mark.parametrize("stop_early", [False, True])

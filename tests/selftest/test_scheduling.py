@@ -65,25 +65,24 @@ def test_compile_cache_is_opt_in_and_the_option_beats_the_environment(tmp_path, 
     assert compile_cache.resolve(compile_cache.DISABLED) is None
 
 
-def _config(tmp_path, maxfail: int):
-    options = {"maxfail": maxfail, "--attncheck-report": str(tmp_path / "rep")}
-    return types.SimpleNamespace(getoption=options.__getitem__, _attncheck_run_id="run-1")
+def _config(tmp_path, maxfail: int, run_id: str = "run-1"):
+    from attncheck import pytest_plugin
+
+    run = types.SimpleNamespace(stop_file=tmp_path / "rep" / f".stop-{run_id}")
+    return types.SimpleNamespace(getoption={"maxfail": maxfail}.__getitem__, stash={pytest_plugin.RUN: run})
 
 
 def test_the_workers_are_told_to_stop_once_pytest_says_the_session_should_fail(tmp_path):
-    from attncheck import pytest_plugin
+    from attncheck.run import MaxfailStop
 
-    config = _config(tmp_path, 1)
-    session = types.SimpleNamespace(config=config, shouldfail=False)
-    stop = pytest_plugin.MaxfailStop(session)
-    stop_file = pytest_plugin._stop_file(config)
+    session = types.SimpleNamespace(shouldfail=False)
+    stop_file = tmp_path / "rep" / ".stop-run-1"
+    stop = MaxfailStop(session, stop_file)
     stop.pytest_runtest_logreport(types.SimpleNamespace(failed=False))
     assert not stop_file.exists()
     session.shouldfail = "stopping after 1 failures"  # what pytest's own hook sets first
     stop.pytest_runtest_logreport(types.SimpleNamespace(failed=True))
     assert stop_file.exists()
-    # Another run (another run id) in the same report directory is not stopped by it.
-    assert not pytest_plugin._stop_file(types.SimpleNamespace(**{**vars(config), "_attncheck_run_id": "run-2"})).exists()
 
 
 def test_a_gate_test_skips_its_remaining_cases_once_the_run_stopped(tmp_path):
@@ -92,18 +91,21 @@ def test_a_gate_test_skips_its_remaining_cases_once_the_run_stopped(tmp_path):
     config = _config(tmp_path, 1)
     check = pytest_plugin.attncheck_stop_point.__wrapped__(types.SimpleNamespace(config=config))
     check()  # not stopped: returns
-    pytest_plugin._stop_file(config).parent.mkdir(parents=True)
-    pytest_plugin._stop_file(config).touch()
+    stop_file = config.stash[pytest_plugin.RUN].stop_file
+    stop_file.parent.mkdir(parents=True)
+    stop_file.touch()
     with pytest.raises(pytest.skip.Exception, match=r"the run stopped at --maxfail=1"):
         check()
+    # Another run (another run id) in the same report directory is not stopped by it.
+    pytest_plugin.attncheck_stop_point.__wrapped__(types.SimpleNamespace(config=_config(tmp_path, 1, "run-2")))()
 
 
 @pytest.mark.parametrize("examples", [0, 1, 4, 5, 15, 17])
 def test_coverage_shares_split_the_examples_into_small_contiguous_tests_without_loss(examples):
-    from attncheck import gate
+    from attncheck import coverage
 
     cases = list(range(examples))
-    shares = [gate.coverage_share(cases, share) for share in gate.coverage_shares(examples)]
+    shares = [share.of(cases) for share in coverage.shares(examples)]
     assert [c for share in shares for c in share] == cases  # each example once, in order
-    assert all(len(share) <= gate.COVERAGE_EXAMPLES_PER_TEST for share in shares)
-    assert len(shares) == max(1, -(-examples // gate.COVERAGE_EXAMPLES_PER_TEST))
+    assert all(len(share) <= coverage.EXAMPLES_PER_TEST for share in shares)
+    assert len(shares) == max(1, -(-examples // coverage.EXAMPLES_PER_TEST))

@@ -14,7 +14,7 @@ BUNDLED_FLASH = "jax.experimental.pallas.ops.tpu.flash_attention:flash_attention
 
 def run_gate(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "GITHUB_STEP_SUMMARY"))}
-    cmd = [sys.executable, "-m", "pytest", "tests/gate/test_gate.py", "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "-q", "-p", "no:cacheprovider",
            "--hypothesis-profile=dev", "--attncheck-report", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     return proc, json.loads((tmp_path / "report.json").read_text())
@@ -34,7 +34,7 @@ def test_jax_bundled_flash_attention_passes_the_flash_gate(tmp_path):
 def test_unknown_family_or_bad_reference_is_a_clear_usage_error(tmp_path):
     for bad, message in (("nope=kernels.flash_attention:flash_attention", "FAMILY one of"),
                          ("flash_attention=no_colon", "package.module:function")):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/gate/test_gate.py", "-q", "--co",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "-q", "--co",
                                "--attncheck-report", str(tmp_path), "--attncheck-impl", bad],
                               cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode != 0 and message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]

@@ -1,0 +1,242 @@
+"""The check pipeline: run one case of one implementation on one backend, judge every
+direction against the oracle, and produce one record per comparison.
+
+Shared by the gate tests, ``attncheck repro`` and the mutation runner, so a reproducer
+reruns exactly what the gate ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import shlex
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from attncheck import numerics
+from attncheck.backends import Backend
+from attncheck.cases import Case
+from attncheck.report.records import CaseRun, Record
+from attncheck.specs.base import KernelSpec
+
+# A yardstick this far from the oracle means the spec's mapping or the yardstick is wrong,
+# and would inflate the tolerance: fail loudly instead of passing anything.
+MAX_YARDSTICK_ULPS = 4096.0
+# Spec modules under this package are always known to ``attncheck repro``; any other one
+# (``--attncheck-spec``) is named in the reproducer so that it stays one command.
+BUILTIN_SPEC_PACKAGE = "attncheck.specs."
+from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One implementation of a family on one backend: what a gate test verifies."""
+
+    spec: KernelSpec
+    impl_name: str
+    impl: Callable
+    backend: Backend
+
+    @property
+    def id(self) -> str:
+        return f"{self.spec.name}-{self.impl_name}-{self.backend.name}"
+
+    @property
+    def impl_ref(self) -> str:
+        return f"{self.impl.__module__}:{self.impl.__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The records of one case; ``fatal`` says why the test must stop at once (a timeout
+    caught inside the kernel: going on would re-arm the timer for the next case)."""
+
+    records: list[Record]
+    fatal: str | None = None
+
+    @property
+    def failures(self) -> list[Record]:
+        return [r for r in self.records if not r.passed]
+
+    def summary(self) -> str:
+        return "\n".join(f"{r.kernel}/{r.impl} on {r.backend}: {r.direction} {r.outcome.upper()}: {r.reason}\n"
+                         f"  reproduce: {r.repro}" for r in self.failures)
+
+
+def repro_command(target: Target, case: Case, report_dir: str | None = None) -> str:
+    command = f"attncheck repro {case.id} --impl {target.impl_name} --backend {target.backend.name}"
+    module = type(target.spec).__module__
+    if not module.startswith(BUILTIN_SPEC_PACKAGE):
+        command += f" --spec {module}"
+    if report_dir is not None and report_dir != DEFAULT_REPORT_DIR:
+        command += f" --report {shlex.quote(report_dir)}"
+    return command
+
+
+def case_run(target: Target, case: Case, report_dir: str | None = None, nodeid: str = "") -> CaseRun:
+    """What a record of this case says before any verdict (also its started marker)."""
+    spec, p = target.spec, case.params
+    return CaseRun(
+        case_id=case.id, case=case.to_json(), kernel=spec.name, impl=target.impl_name, impl_ref=target.impl_ref,
+        backend=target.backend.name, backend_settings=target.backend.settings(case.seed, p.device_count),
+        dtype=p.dtype, seq_len=p.sequence_length, device_count=p.device_count, classes=tuple(spec.classes(case)),
+        repro=repro_command(target, case, report_dir), nodeid=nodeid)
+
+
+# ------------------------------------------------------------------ timing
+# jax's own spans for tracing, lowering to MLIR and XLA compilation (or loading from the
+# persistent cache): how much of a phase was compile rather than run.
+COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                            "/jax/core/compile/backend_compile_duration"})
+
+
+class Timings(dict):
+    """Seconds per phase of a case (``<phase>_s``) and the part of it spent tracing and
+    compiling (``<phase>_compile_s``); nested spans (a jit traced inside another) count once."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str, *, compiles: bool = False) -> Iterator[None]:
+        import jax
+
+        spans: list[tuple[float, float]] = []
+
+        def listener(event, start, end, **_):
+            if event in COMPILE_EVENTS:
+                spans.append((start, end))
+
+        if compiles:
+            jax.monitoring.register_event_time_span_listener(listener)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[f"{name}_s"] = time.perf_counter() - start
+            if compiles:
+                jax.monitoring.unregister_event_time_span_listener(listener)
+                total, reach = 0.0, float("-inf")
+                for begin, end in sorted(spans):
+                    total += max(0.0, end - max(begin, reach))
+                    reach = max(reach, end)
+                self[f"{name}_compile_s"] = total
+
+
+# ------------------------------------------------------------------ errors
+ERROR_HEAD = ERROR_TAIL = 1500
+# pytest-timeout ends a hung test with pytest.fail("Timeout (>Ns) from pytest-timeout."); raised
+# inside a jax host callback (an interpret-mode kernel), XLA wraps it into a runtime error
+# that keeps the text.
+_TIMEOUT = re.compile(r"Timeout \(?>[0-9.]+s\)?( from pytest-timeout)?")
+
+
+def error_text(exc: BaseException) -> str:
+    """The exception in one string, with its head and its tail (where the cause is)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) <= ERROR_HEAD + ERROR_TAIL:
+        return text
+    return f"{text[:ERROR_HEAD]} ... [{len(text) - ERROR_HEAD - ERROR_TAIL} characters] ... {text[-ERROR_TAIL:]}"
+
+
+def timeout_in(exc: BaseException) -> str | None:
+    """pytest-timeout's message, if the exception is, wraps or was caused by its failure."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = _TIMEOUT.search(str(exc))
+        if found:
+            return found.group(0)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _error(base: CaseRun, direction: str, exc: BaseException, timings: dict) -> Record:
+    return Record(**dataclasses.asdict(base), direction=direction, outcome="error", reason=error_text(exc),
+                  traceback=traceback.format_exc(limit=8), timings=dict(timings))
+
+
+# ------------------------------------------------------------------ judging
+def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.ndarray, *, dtype, care,
+          timings: dict) -> Record:
+    """One direction's record: the tolerance policy, the dtype rule, and the refusal of a
+    tolerance built on a broken yardstick. Whatever the kernel returned (another shape, a
+    list, no array at all) ends in a record."""
+    start = time.perf_counter()
+    try:
+        cmp = numerics.compare(got, truth, reference, dtype=dtype, direction=direction, care=care)
+        delivered = np.asarray(got).dtype
+    except Exception as exc:  # noqa: BLE001 - what the kernel returned cannot be compared
+        return _error(base, direction, exc, timings)
+    outcome, reason = ("pass" if cmp.passed else "fail"), cmp.reason
+    if delivered != np.dtype(dtype):
+        # A gradient in another dtype than its primal breaks the caller's optimizer state
+        # and hides precision loss (or gain) from the comparison above.
+        outcome, reason = "fail", f"returned {direction} in {delivered}, expected {np.dtype(dtype)} " \
+                                  f"(the dtype of its input); {cmp.reason}"
+    if cmp.passed and cmp.yardstick_ulps > MAX_YARDSTICK_ULPS:
+        outcome = "error"
+        reason = (f"yardstick is {cmp.yardstick_ulps:.0f} ulps from the oracle (> {MAX_YARDSTICK_ULPS:g}): the "
+                  "spec's mapping or the yardstick is wrong; refusing a tolerance built on it")
+    return Record(**dataclasses.asdict(base), direction=direction, outcome=outcome, reason=reason, metrics=cmp,
+                  timings=dict(timings, compare_s=time.perf_counter() - start))
+
+
+# ------------------------------------------------------------------ the case
+def check_case(target: Target, case: Case, *, report_dir: str | None = None, nodeid: str = "",
+               started: Callable[[CaseRun], None] | None = None) -> Outcome:
+    """Run a case and judge every direction; ``started`` is told the case is about to run."""
+    base = case_run(target, case, report_dir, nodeid)
+    if started is not None:
+        started(base)
+    if not target.backend.compares_numerics:
+        return _check_lowering(target, case, base)
+
+    spec, p = target.spec, case.params
+    timings = Timings()
+    # Inputs are NumPy, except where a convention makes the kernel's own function part
+    # of them (the ring dropout mask): its trace and compile are kernel work.
+    with timings.phase("inputs", compiles=True):
+        inputs = spec.inputs(case)
+    try:
+        with target.backend.context(case.seed, p.device_count), timings.phase("kernel", compiles=True):
+            got = spec.run(target.impl, case, inputs)
+        if not isinstance(got, dict):
+            raise TypeError(f"the spec's run() returned {type(got).__name__}, expected a dict of directions")
+    except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
+        record = _error(base, "all", exc, timings)
+        return Outcome([record], fatal=timeout_in(exc))
+    with timings.phase("oracle"):
+        truth = spec.oracle(case, inputs)
+    with timings.phase("yardstick", compiles=True):
+        reference = spec.yardstick(case, inputs)
+    care, dtypes = spec.care(case, inputs), spec.output_dtypes(case)
+    records = []
+    for direction in truth:
+        if direction not in got:
+            records.append(Record(**dataclasses.asdict(base), direction=direction, outcome="error",
+                                  reason=f"implementation returned no {direction!r}", timings=dict(timings)))
+            continue
+        records.append(judge(base, direction, got[direction], truth[direction], reference[direction],
+                             dtype=dtypes[direction], care=care.get(direction), timings=timings))
+    return Outcome(records)
+
+
+def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
+    records = []
+    try:
+        exports = target.spec.lower(target.impl, case)
+    except Exception as exc:  # noqa: BLE001
+        return Outcome([_error(base, "all", exc, {})], fatal=timeout_in(exc))
+    for direction, export in exports.items():
+        start = time.perf_counter()
+        try:
+            export()
+            outcome, reason, trace = "pass", "lowered for platform tpu", None
+        except Exception as exc:  # noqa: BLE001 - the kernel does not lower: a failing record
+            outcome, reason, trace = "fail", error_text(exc), traceback.format_exc(limit=8)
+        records.append(Record(**dataclasses.asdict(base), direction=direction, outcome=outcome, reason=reason,
+                              traceback=trace, timings={"lower_s": time.perf_counter() - start}))
+    return Outcome(records)

@@ -1,0 +1,50 @@
+"""The hypothesis profiles of a gate run and what they scale.
+
+``ci``: derandomized, no shrinking, no example database (the pull-request gate); ``dev``:
+random, a third of the examples; ``nightly``: random, eight times the examples.
+Registering a profile changes nothing until one is loaded, which only an attncheck run
+does (``attncheck.run``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+# The CI profile skips shrinking: interpret mode makes each shrink step cost seconds, and
+# the recorded case id already is an exact, one-command reproducer.
+CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
+# Examples per (spec, backend) are set by each spec for the ci profile; others scale them.
+PROFILE_SCALE = {"dev": 0.34, "ci": 1.0, "nightly": 8.0}
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, print_blob=True, database=None, phases=CI_PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "dev", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "nightly", deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def load_default() -> None:
+    """The profile of a run that named none: ``ci`` under CI, else ``dev``."""
+    settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+
+
+def examples_for(base: int) -> int:
+    """Scale a spec's CI example count to the active hypothesis profile."""
+    scale = PROFILE_SCALE.get(settings.get_current_profile_name(), 1.0)
+    return max(1, round(base * scale))
+
+
+def draw_seed(*names: str) -> int | None:
+    """The seed of a gate test's draws under a derandomized profile, from what the test
+    verifies (family, backend): hypothesis would otherwise derive it from the test
+    function's source, so any edit of the test body would change every case drawn. None
+    (hypothesis' own random seed) in the other profiles."""
+    if not settings.default.derandomize:
+        return None
+    return int.from_bytes(hashlib.sha256("/".join(names).encode()).digest()[:8], "little")

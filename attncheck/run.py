@@ -1,0 +1,345 @@
+"""One attncheck gate run inside a pytest session: its setup, its hooks and its state.
+
+Registered by the plugin (``attncheck.pytest_plugin``) only when a session asks for
+attncheck. The controller (the only process without xdist, else the xdist controller)
+owns the report directory for the run: it locks it, marks it INCOMPLETE until the merge,
+orders the tests, and merges every worker's records into the report at the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import pytest
+from hypothesis import settings
+
+from attncheck import accepted, compile_cache, env, profiles, scheduling, selection, specs
+from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
+from attncheck.report import records as rec
+
+LOCK_FILE = ".attncheck.lock"
+# The per-test timeout of an attncheck run whose project set none (a kernel that hangs).
+DEFAULT_TIMEOUT_S = 900
+
+
+class ReportDirLock:
+    """An exclusive lock on a report directory for the life of a run: two live runs
+    writing one report would leave one's verdict under the other's records. The kernel
+    drops the lock when the process dies, so a dead run never blocks the next one."""
+
+    def __init__(self, directory: pathlib.Path, run_id: str):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / LOCK_FILE
+        self._file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another run"
+            self._file.close()
+            raise pytest.UsageError(
+                f"--attncheck-report {directory}: in use by {holder}; wait for it to finish or give this run "
+                "another report directory") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"run {run_id} (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+class MaxfailStop:
+    """Controller-side: once pytest's session has reached ``--maxfail`` (``-x``), says so
+    in a file the workers look for before each case.
+
+    xdist stops handing out tests at the first failure, but every worker still finishes
+    the tests it already holds, a drawn test minutes long among them: measured, a planted
+    bug reported 55 s into the run ended it only after 208 s. The gate's tests skip
+    their remaining cases when the file exists (``attncheck_stop_point``). The counting is
+    pytest's own (``Session.shouldfail``, set by its tryfirst logreport hook, which sees
+    the reports xdist relays); this hook runs after it.
+    """
+
+    def __init__(self, session, stop_file: pathlib.Path):
+        self.session = session
+        self.stop_file = stop_file
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report):
+        if self.session.shouldfail:
+            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+            self.stop_file.touch()
+
+
+class GateRun:
+    """The state and hooks of one attncheck run in one pytest process."""
+
+    def __init__(self, config, why: str):
+        self.config = config
+        self.why = why
+        self.is_worker = hasattr(config, "workerinput")
+        self.report_arg = config.getoption("attncheck_report") or DEFAULT_REPORT_DIR
+        self.report_dir = pathlib.Path(self.report_arg).resolve()
+        self.run_id = (config.workerinput["attncheck_run_id"] if self.is_worker
+                       else f"{time.strftime('%Y%m%dT%H%M%S')}{os.getpid()}")
+        self.worker = config.workerinput["workerid"] if self.is_worker else "main"
+        self.started = time.time()
+        self._validate_and_select()
+        for warning in env.configure():
+            self._warn(warning)
+        if config.getoption("hypothesis_profile", None) is None:
+            profiles.load_default()
+        if config.getoption("timeout", None) is None and not config.getini("timeout"):
+            config.option.timeout = DEFAULT_TIMEOUT_S
+            config.option.timeout_method = "signal"
+        cache = compile_cache.resolve(config.getoption("attncheck_compile_cache"))
+        if cache is not None:
+            compile_cache.enable(cache)
+        self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
+        self.durations = self._load_durations()
+        self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)
+        self.test_outcomes: dict[str, list[str]] = collections.defaultdict(list)  # target -> outcomes
+        self.collected: set[str] = set()
+        self.lock = None
+        if not self.is_worker:
+            self._take_the_report_directory()
+
+    # ------------------------------------------------------------------ setup
+    def _validate_and_select(self) -> None:
+        config = self.config
+        try:
+            specs.use_spec_modules(config.getoption("attncheck_spec"), only=config.getoption("attncheck_only_spec"))
+            specs.all_specs()
+            self.options = selection.Options(backends=config.getoption("attncheck_backend"),
+                                             kernels=config.getoption("attncheck_kernel"),
+                                             impls=tuple(config.getoption("attncheck_impl")))
+            self.options.validate()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        self.accepted_path = config.getoption("attncheck_accepted_budgets")
+        if config.getoption("attncheck_baseline"):
+            self._warn("--attncheck-baseline is deprecated: it names the accepted budgets; use "
+                       "--attncheck-accepted-budgets")
+            self.accepted_path = self.accepted_path or config.getoption("attncheck_baseline")
+        if self.accepted_path:
+            try:
+                accepted.read(pathlib.Path(self.accepted_path))
+            except accepted.AcceptedBudgetsError as exc:
+                raise pytest.UsageError(f"--attncheck-accepted-budgets: {exc}") from None
+
+    def _warn(self, message: str) -> None:
+        """A warning of the run's setup, shown in pytest's warnings summary."""
+        self.config.issue_config_time_warning(pytest.PytestConfigWarning(f"attncheck: {message}"), stacklevel=2)
+
+    def _load_durations(self) -> dict[str, float]:
+        chosen = self.config.getoption("attncheck_durations") or str(scheduling.DEFAULT_FILE)
+        path = self.config.rootpath / chosen
+        try:
+            return scheduling.load(path)
+        except (OSError, ValueError) as exc:
+            # It only orders the tests: a bad file costs speed, never a verdict.
+            self._warn(f"--attncheck-durations: ignoring {path}: {exc}")
+            return {}
+
+    def _take_the_report_directory(self) -> None:
+        from attncheck.report import model, render
+
+        self.lock = ReportDirLock(self.report_dir, self.run_id)
+        # Until this run merges, the directory says the run is in progress: a run that dies
+        # must not leave the previous run's PASS in place.
+        render.write(self.report_dir, model.placeholder(self.run_id))
+        for stale in ("junit.xml", scheduling.REPORT_FILE):
+            (self.report_dir / stale).unlink(missing_ok=True)
+        rec.RunInfo(self.run_id, self.started, tuple(self.config.invocation_params.args)).write(self.report_dir)
+        config = self.config
+        # xdist's default hands each worker a quarter of its share up front, which undoes the
+        # longest-first order; one test at a time keeps it.
+        if getattr(config.option, "maxschedchunk", 0) is None:
+            config.option.maxschedchunk = 1
+        if getattr(config.option, "xmlpath", None) is None and hasattr(config.option, "xmlpath"):
+            config.option.xmlpath = str(self.report_dir / "junit.xml")
+
+    @property
+    def stop_file(self) -> pathlib.Path:
+        return self.report_dir / f".stop-{self.run_id}"
+
+    # ------------------------------------------------------------------ hooks
+    def pytest_report_header(self, config):
+        from attncheck import backends
+
+        lines = [f"  {name}: {'available' if (reason := b.unavailable_reason()) is None else 'skipped: ' + reason}"
+                 for name, b in backends.BACKENDS.items()]
+        return ["attncheck backends:", *lines,
+                f"attncheck report: {self.report_dir}  hypothesis profile: {settings.get_current_profile_name()}"
+                f"  (active: {self.why})"]
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node):
+        node.workerinput["attncheck_run_id"] = self.run_id
+
+    def pytest_generate_tests(self, metafunc):
+        if "gate_target" in metafunc.fixturenames:
+            metafunc.parametrize("gate_target", [
+                pytest.param(test, id=test.id, marks=self._marks(test))
+                for test in selection.gate_tests(self.options)])
+        if "gate_invalid" in metafunc.fixturenames:
+            # One test per validation branch of each family; a family that declares none
+            # simply contributes no test.
+            metafunc.parametrize("gate_invalid", [
+                pytest.param(call, id=f"{spec.name}-{call.description}",
+                             marks=pytest.mark.attncheck_family(spec.name))
+                for spec in self.options.selected_specs() for call in spec.invalid_calls()])
+
+    @staticmethod
+    def _marks(test: selection.GateTest) -> list:
+        marks = [pytest.mark.attncheck_family(test.spec.name)]
+        if test.unavailable:
+            marks.append(pytest.mark.skip(reason=f"backend {test.backend_name} unavailable: {test.unavailable}"))
+        if test.part == selection.COVERAGE:
+            marks.append(getattr(pytest.mark, scheduling.FAIL_FAST_MARKER)(lead=test.share.index == 0))
+        return marks
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        """--attncheck-kernel also selects the gate's other tests, by their family marker (a
+        mutant of one family must be judged by that family's tests alone); then the order."""
+        if self.options.kernels:
+            wanted = {spec.name for spec in self.options.selected_specs()}
+            keep, drop = [], []
+            for item in items:
+                marker = item.get_closest_marker("attncheck_family")
+                (drop if marker is not None and marker.args[0] not in wanted else keep).append(item)
+            if drop:
+                config.hook.pytest_deselected(items=drop)
+                items[:] = keep
+        items[:] = scheduling.run_order(items, self.durations)
+
+    def pytest_collection_finish(self, session):
+        if not self.is_worker:  # without xdist the controller collects itself
+            self.collected.update(item.nodeid for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self.collected.update(ids)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report):
+        if self.is_worker:
+            return
+        # A test skipped partway (the run stopped at --maxfail) would be recorded as short
+        # and scheduled last next time; a skipped test costs nothing wherever it runs.
+        if not report.skipped:
+            self.seconds[report.nodeid] += report.duration
+        test = selection.test_of_nodeid(self.options, report.nodeid)
+        if test is not None and (report.when == "call" or report.outcome != "passed"):
+            reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
+            self.test_outcomes[test.target_id].append(f"{report.outcome}{': ' + reason if reason else ''}")
+
+    def pytest_sessionstart(self, session):
+        if not self.is_worker:
+            self.config.pluginmanager.register(MaxfailStop(session, self.stop_file), "attncheck-maxfail-stop")
+
+    @pytest.hookimpl(wrapper=True, optionalhook=True)
+    def pytest_timeout_set_timer(self, item, settings):
+        """Re-arm pytest-timeout's SIGALRM on every expiry.
+
+        The signal fires once per test, but hypothesis then replays the failing example to
+        report it: a kernel that hangs anywhere the gate test cannot see would hang that
+        replay forever with no timer left.
+        """
+        result = yield
+        handler = signal.getsignal(signal.SIGALRM)
+        if settings.method == "signal" and callable(handler) and threading.current_thread() is threading.main_thread():
+            def rearm(signum, frame):
+                __tracebackhide__ = True
+                signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+                handler(signum, frame)
+
+            signal.signal(signal.SIGALRM, rearm)
+        return result
+
+    # ------------------------------------------------------------------ the merge
+    def _failed_tests(self) -> dict[str, str]:
+        """nodeid -> one-line reason of every test (or collection) that failed or errored."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        stats = reporter.stats if reporter is not None else {}
+        failed = {}
+        for report in [*stats.get("failed", []), *stats.get("error", [])]:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            lines = str(crash.message if crash is not None else report.longrepr).strip().splitlines() or ["failed"]
+            # A crash message starts with the exception; a plain longrepr ends with it.
+            failed.setdefault(report.nodeid, lines[0] if crash is not None else lines[-1])
+        return failed
+
+    def _asked(self) -> dict[str, str]:
+        """target id -> what its tests did, for every target the run collected a test of.
+        A backend that is not there is asked for only by name (``unavailable_requests``):
+        the default asks for every *available* backend."""
+        asked = {}
+        for nodeid in sorted(self.collected):
+            test = selection.test_of_nodeid(self.options, nodeid)
+            if test is not None and test.unavailable is None:
+                outcomes = collections.Counter(self.test_outcomes.get(test.target_id, ["not run"]))
+                asked[test.target_id] = "its tests: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+        return asked
+
+    @staticmethod
+    def _session_problems(session, exitstatus) -> list[str]:
+        if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED):
+            return []  # failures are reported test by test; no tests is NO CASES
+        if exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop:
+            return []  # the merge marks the run incomplete
+        return [f"pytest ended with exit status {int(exitstatus)} ({exitstatus.name})"]
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.is_worker:
+            return
+        from attncheck.report import merge, model, render
+
+        interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
+        collect_only = self.config.getoption("collectonly")
+        outcome = merge.RunOutcome(
+            complete=not interrupted, wall_s=time.time() - self.started, failed_tests=self._failed_tests(),
+            asked={} if collect_only else self._asked(),
+            unavailable=tuple(selection.unavailable_requests(self.options)),
+            skipped_backends=tuple(model.SkippedBackend(*s) for s in selection.skipped_backends(self.options)),
+            session_problems=tuple(self._session_problems(session, exitstatus)))
+        report = merge.merge(
+            self.report_dir, self.run_id, outcome,
+            applicable={s.name: s.class_names for s in specs.all_specs().values()},
+            accepted_path=self.accepted_path, require_coverage=self.config.getoption("attncheck_require_coverage"),
+            **({} if self.config.getoption("attncheck_regression_floor") is None
+               else {"regression_floor": self.config.getoption("attncheck_regression_floor")}))
+        render.write(self.report_dir, report)
+        rec.clear_stale_records(self.report_dir, self.run_id)
+        self.stop_file.unlink(missing_ok=True)
+        scheduling.write(self.report_dir / scheduling.REPORT_FILE, self.seconds)
+        self.report = report
+        if report.verdict != model.PASS and session.exitstatus in (pytest.ExitCode.OK,
+                                                                   pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        report = getattr(self, "report", None)
+        if self.is_worker or report is None:
+            return
+        terminalreporter.write_sep("=", f"attncheck: {report.verdict}")
+        terminalreporter.write_line(f"report: {self.report_dir}/report.md")
+        for line in report.unverified:
+            terminalreporter.write_line(f"NO CASES: {line}", yellow=True)
+        for problem in report.problems:
+            terminalreporter.write_line(f"GATE FAILURE: {problem}", red=True)
+
+    def pytest_unconfigure(self, config):
+        if self.lock is not None:
+            self.lock.release()
+

@@ -1,0 +1,152 @@
+"""What a gate run verifies: the families, implementations and backends asked for, and the
+tests of the generic gate they make (``attncheck/gate/test_gate.py``).
+
+Each family x implementation x backend is verified in two parts: the coverage examples
+(the simplest case of every bug class, on the family's first backend, split into tests of
+a few examples; they run before everything else) and the drawn cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from attncheck import coverage, specs
+from attncheck.backends import BACKENDS
+from attncheck.check import Target
+from attncheck.specs.base import KernelSpec, resolve_impl
+
+COVERAGE = "coverage"
+DRAWN = "drawn"
+
+
+class SelectionError(ValueError):
+    """An option names something that does not exist; the message says which and what does."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The gate's selection options as given (None: the default)."""
+
+    backends: str | None = None
+    kernels: str | None = None
+    impls: tuple[str, ...] = ()
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The backends asked for: every one when the option is not given."""
+        if not self.backends:
+            return list(BACKENDS)
+        names = [v.strip() for v in self.backends.split(",") if v.strip()]
+        unknown = [n for n in names if n not in BACKENDS]
+        if unknown or not names:
+            raise SelectionError(f"--attncheck-backend {self.backends!r}: unknown backend(s) {unknown}; "
+                                 f"known: {', '.join(BACKENDS)}")
+        return names
+
+    @property
+    def explicit_backends(self) -> bool:
+        return bool(self.backends)
+
+    def selected_specs(self) -> list[KernelSpec]:
+        known = specs.all_specs()
+        if not self.kernels:
+            return list(known.values())
+        names = [n.strip() for n in self.kernels.split(",") if n.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise SelectionError(f"--attncheck-kernel {self.kernels!r}: unknown families {unknown}; "
+                                 f"known: {', '.join(sorted(known))}")
+        return [known[n] for n in names]
+
+    def impl_overrides(self) -> dict[str, str]:
+        """``--attncheck-impl FAMILY=module:function`` -> {family: reference}, each importable."""
+        overrides = {}
+        known = specs.all_specs()
+        for value in self.impls:
+            family, sep, ref = value.partition("=")
+            if not sep or family not in known:
+                raise SelectionError(f"--attncheck-impl {value!r}: expected FAMILY=package.module:function "
+                                     f"with FAMILY one of {', '.join(sorted(known))}")
+            try:
+                resolve_impl(ref)  # fail at startup, not in the middle of the gate
+            except ValueError as exc:
+                raise SelectionError(f"--attncheck-impl {value!r}: {exc}") from exc
+            overrides[family] = ref
+        return overrides
+
+    def validate(self) -> None:
+        self.backend_names, self.selected_specs(), self.impl_overrides()
+
+
+@dataclasses.dataclass(frozen=True)
+class GateTest:
+    """One parametrization of the generic gate test."""
+
+    spec: KernelSpec
+    impl_name: str
+    impl_ref: str
+    backend_name: str
+    part: str  # COVERAGE or DRAWN
+    share: coverage.Share | None = None
+
+    @property
+    def target_id(self) -> str:
+        return f"{self.spec.name}-{self.impl_name}-{self.backend_name}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.target_id}-{self.part}{self.share.suffix if self.share else ''}"
+
+    @property
+    def unavailable(self) -> str | None:
+        return BACKENDS[self.backend_name].unavailable_reason()
+
+    def target(self) -> Target:
+        return Target(self.spec, self.impl_name, resolve_impl(self.impl_ref), BACKENDS[self.backend_name])
+
+
+def gate_tests(options: Options) -> list[GateTest]:
+    """Every test of the generic gate the options ask for (the coverage examples are
+    searched here, once per process, or read from their cache)."""
+    chosen = options.backend_names
+    overrides = options.impl_overrides()
+    tests = []
+    for spec in options.selected_specs():
+        impls = {"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls)
+        for impl_name, ref in impls.items():
+            for name in (b for b in spec.backends if b in chosen):
+                if name == spec.backends[0] and spec.bug_classes:
+                    tests += [GateTest(spec, impl_name, ref, name, COVERAGE, share)
+                              for share in coverage.shares(len(coverage.examples(spec)))]
+                tests.append(GateTest(spec, impl_name, ref, name, DRAWN))
+    return tests
+
+
+def unavailable_requests(options: Options) -> list[str]:
+    """Backends asked for by name that cannot run here: an error, not a skip (asking for
+    every available backend, the default, is not asking for any one)."""
+    if not options.explicit_backends:
+        return []
+    return [f"backend {name} requested but unavailable: {reason}" for name in options.backend_names
+            if (reason := BACKENDS[name].unavailable_reason()) is not None]
+
+
+@functools.cache
+def _by_id(options: Options) -> dict[str, GateTest]:
+    return {test.id: test for test in gate_tests(options)}
+
+
+def test_of_nodeid(options: Options, nodeid: str) -> GateTest | None:
+    """The gate test a node id names (None: not a gate test)."""
+    if "[" not in nodeid or not nodeid.endswith("]"):
+        return None
+    return _by_id(options).get(nodeid.rpartition("[")[2][:-1])
+
+
+def skipped_backends(options: Options) -> list[tuple[str, str]]:
+    """(backend, why it did not run) for every backend that did not."""
+    chosen = options.backend_names
+    skipped = [(name, reason) for name, b in BACKENDS.items() if (reason := b.unavailable_reason()) is not None]
+    return skipped + [(name, "not selected (--attncheck-backend)") for name, b in BACKENDS.items()
+                      if name not in chosen and b.unavailable_reason() is None]

@@ -1,0 +1,105 @@
+"""The package's structure: layers that do not import each other the wrong way round."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import attncheck
+
+PACKAGE = pathlib.Path(attncheck.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except those under ``if TYPE_CHECKING:`` (imported for annotations only)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _imports(path: pathlib.Path, module: str, modules) -> set[str]:
+    """attncheck modules a module imports when it runs, at any level of its code
+    (``from package import module`` imports the module, not the package's other names)."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+            found.update(name for name in names if name in modules)
+            if not all(name in modules for name in names):
+                found.add(base)
+    return {name for name in found if name.split(".")[0] == "attncheck"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "gate" not in p.relative_to(PACKAGE).parts[:1]
+               or p.name == "__init__.py"}
+    return {name: {m for m in _imports(path, name, modules) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 20 and "attncheck.check" in graph
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    graph = import_graph()
+    graph["attncheck.coverage"] = graph["attncheck.coverage"] | {"attncheck.specs.base"}
+    assert _cycle(graph) is not None
+
+
+def test_the_oracle_and_the_kernels_stay_independent():
+    """The oracle is NumPy float64 and imports nothing of jax or the kernels; the kernels
+    import nothing of attncheck."""
+    for path in (PACKAGE / "oracle").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {n.split(".")[0] for n in names} & {"jax", "jaxlib", "kernels"}, (path, names)
+    for path in (PACKAGE.parent / "kernels").glob("*.py"):
+        assert "attncheck" not in path.read_text(), path
+
+
+def test_the_plugin_imports_no_jax_until_a_run_asks_for_attncheck():
+    import subprocess
+    import sys
+
+    probe = "import sys, attncheck.pytest_plugin; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
