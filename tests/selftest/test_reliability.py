@@ -1,0 +1,208 @@
+"""No false green: the verdict of runs that verified nothing, crashed, hung, lost records or
+met a misbehaving implementation (tests/selftest/chaos.py).
+
+Each run is the packaged gate on the toy families in a subprocess; the assertions are on
+the verdict, the exit code, the record that names the case (with its reproducer), and the
+records of the cases that ran before the misbehaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from tests.selftest import chaos, toy_spec
+
+pytest_plugins = ("pytester",)
+CHAOS = "tests.selftest.chaos"
+FORWARD = ("--attncheck-spec=tests.selftest.toy_forward_spec", "--attncheck-only-spec")
+SHORT_TIMEOUT_S = 5
+
+
+@pytest.fixture
+def gate_dir(pytester, monkeypatch):
+    return toy_spec.setup_gate_dir(pytester, monkeypatch)
+
+
+def impl(name: str, family: str = "toy_attention") -> str:
+    return f"--attncheck-impl={family}={CHAOS}:{name}"
+
+
+def report_of(gate_dir, name: str = "rep") -> dict:
+    return json.loads((gate_dir / name / "report.json").read_text())
+
+
+def named(record: dict) -> bool:
+    """The record names its case and how to rerun it."""
+    return (re.fullmatch(r"toy_\w+-[0-9a-f]{12}", record["case_id"]) is not None
+            and record["repro"].startswith(f"attncheck repro {record['case_id']} --impl "))
+
+
+# ------------------------------------------------------------------ nothing verified
+@pytest.mark.parametrize("args, why", [
+    (("--attncheck-backend=tpu",), "backend tpu requested but unavailable: no TPU"),
+    (("-k", "no_such_test_name"), "no gate test was selected"),
+    (("--collect-only",), "no gate test was selected"),
+])
+def test_a_run_that_verified_nothing_is_not_a_pass(gate_dir, pytester, args, why):
+    result = toy_spec.run_gate(pytester, "rep", "--attncheck-require-coverage", *args)
+    assert result.ret != pytest.ExitCode.OK, result.stdout.str()
+    report = report_of(gate_dir)
+    assert report["verdict"] == "NO CASES", report["verdict"]
+    assert any(why in line for line in report["unverified"]), report["unverified"]
+    markdown = (gate_dir / "rep" / "report.md").read_text()
+    assert markdown.startswith("# attncheck: NO CASES") and "## Nothing verified" in markdown
+    result.stdout.fnmatch_lines(["*attncheck: NO CASES*"])
+
+
+def test_a_target_whose_every_case_was_skipped_verified_nothing(gate_dir, pytester):
+    """The tpu backend is skipped here: asked for with xla, xla passes and tpu is named."""
+    result = toy_spec.run_gate(pytester, "rep", "--attncheck-backend=xla,tpu")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    report = report_of(gate_dir)
+    assert report["verdict"] == "NO CASES" and report["totals"]["failures"] == 0
+    assert report["unverified"] == [f"backend tpu requested but unavailable: {report['skipped_backends'][0]['reason']}"]
+
+
+@pytest.mark.parametrize("content", ['{"a": ', "[1, 2]", '{"x": "slow"}'])
+def test_a_bad_durations_file_is_a_warning_and_the_run_goes_on(gate_dir, pytester, content):
+    (gate_dir / "durations.json").write_text(content)
+    result = toy_spec.run_gate(pytester, "rep", "--attncheck-durations=durations.json")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["*attncheck: --attncheck-durations: ignoring*durations.json*"])
+    assert report_of(gate_dir)["verdict"] == "PASS"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--attncheck-backend=bogus",), "--attncheck-backend 'bogus': unknown backend(s) ['bogus']"),
+    (("--attncheck-kernel=bogus",), "--attncheck-kernel 'bogus': unknown families ['bogus']"),
+    (("--attncheck-impl=toy_attention=nowhere:fn",), "cannot import 'nowhere'"),
+    (("--attncheck-spec=no.such.spec",), "spec module 'no.such.spec' cannot be imported"),
+    (("--attncheck-accepted-budgets=budgets.json",), "budgets.json: expected an object with a \"budgets\" list"),
+    (("--attncheck-accepted-budgets=entry.json",), "entry.json: budgets[0] lacks dtype"),
+    (("--attncheck-accepted-budgets=missing.json",), "missing.json: cannot read the accepted budgets"),
+])
+def test_bad_options_and_input_files_are_usage_errors_that_name_them(gate_dir, pytester, args, message):
+    (gate_dir / "budgets.json").write_text("[]")
+    (gate_dir / "entry.json").write_text('{"budgets": [{"kernel": "k", "impl": "i", "backend": "xla", '
+                                         '"direction": "out", "worst_budget": 0.5}]}')
+    result = toy_spec.run_gate(pytester, "rep", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
+    assert message in result.stderr.str(), result.stderr.str()
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+# ------------------------------------------------------------------ misbehaving kernels
+@pytest.mark.parametrize("name, family_args, expect", [
+    ("wrong_shape", (), "shapes differ"),
+    ("wrong_shape", FORWARD, "shapes differ"),
+    ("wrong_dtype", (), "returned out in float16, expected"),
+    ("returns_list", (), "returned list, expected an array"),
+    ("returns_list", FORWARD, "shapes differ|TypeError|setting an array element"),
+    ("all_nan", (), "NaN positions differ"),
+    ("raises_markup", (), "toy kernel failed"),
+])
+def test_whatever_an_implementation_returns_ends_in_records_that_name_the_case(gate_dir, pytester, name, family_args,
+                                                                               expect):
+    family = "toy_forward" if family_args else "toy_attention"
+    result = toy_spec.run_gate(pytester, "rep", impl(name, family), "-k", "coverage", f"--attncheck-kernel={family}",
+                               *family_args)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    report = report_of(gate_dir)
+    assert report["verdict"] == "FAIL"
+    records = report["records"]
+    # Both coverage examples failed and were recorded: the first did not abort the test.
+    failing = [r for r in records if r["outcome"] != "pass"]
+    assert len({r["case_id"] for r in failing}) == 2, records
+    assert all(named(r) for r in records)
+    assert any(re.search(expect, r["reason"]) for r in failing), [r["reason"] for r in failing]
+    markdown = (gate_dir / "rep" / "report.md").read_text()
+    for tag in ("<h1>", "<img", "</td>", "</table>"):
+        assert tag not in markdown
+    if name == "raises_markup":
+        assert "&lt;h1&gt;PASS&lt;/h1&gt;" in markdown
+
+
+@pytest.mark.parametrize("name", ["hang_while_tracing", "hang_in_callback"])
+def test_a_hang_stops_its_test_once_names_the_case_and_the_run_goes_on(gate_dir, pytester, name):
+    start = time.monotonic()
+    result = toy_spec.run_gate(pytester, "rep", impl(name), f"--timeout={SHORT_TIMEOUT_S}")
+    elapsed = time.monotonic() - start
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    # The coverage and the drawn test each time out once: no second timeout for a replay,
+    # no next case after the first hang.
+    result.assert_outcomes(failed=2, passed=len(toy_spec.SPEC.invalid_calls()))
+    assert elapsed < 4 * SHORT_TIMEOUT_S + 60, elapsed
+    report = report_of(gate_dir)
+    assert report["verdict"] == "FAIL"
+    hung = [r for r in report["records"] if r["outcome"] == "error"]
+    assert len(hung) == 2 and all(named(r) for r in hung), report["records"]  # one case per test
+    assert all(f"Timeout >{SHORT_TIMEOUT_S}.0s" in r["reason"] or f"Timeout (>{SHORT_TIMEOUT_S}.0s)" in r["reason"]
+               for r in hung), [r["reason"] for r in hung]
+
+
+@pytest.mark.parametrize("name", ["exit_process", "abort_process"])
+def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir, pytester, name):
+    result = toy_spec.run_gate(pytester, "rep", impl(name), "-n", "2", "-k", "drawn")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    report = report_of(gate_dir)
+    assert report["verdict"] == "FAIL"
+    passed = [r for r in report["records"] if r["outcome"] == "pass"]
+    lost = [r for r in report["records"] if r["outcome"] == "error"]
+    assert len(passed) == 4 * (chaos.MISBEHAVE_AT - 1)  # the cases before the crash, every direction
+    assert len(lost) == 1 and named(lost[0]) and "crashed" in lost[0]["reason"], lost
+
+
+def test_a_process_that_dies_leaves_incomplete_not_the_previous_pass_and_can_be_merged(gate_dir, pytester):
+    result = toy_spec.run_gate(pytester, "rep")
+    assert result.ret == pytest.ExitCode.OK and report_of(gate_dir)["verdict"] == "PASS"
+    result = toy_spec.run_gate(pytester, "rep", impl("exit_process"), "-n", "0", "-k", "drawn")
+    assert result.ret == 13, result.stdout.str()
+    report = report_of(gate_dir)
+    assert report["verdict"] == "INCOMPLETE" and report["records"] == []
+    assert (gate_dir / "rep" / "report.md").read_text().startswith("# attncheck: INCOMPLETE")
+    run_id = report["run_id"]
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", run_id)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    merged = report_of(gate_dir)
+    assert merged["verdict"] == "FAIL" and merged["run_id"] == run_id and merged["wall_s"] is not None
+    lost = [r for r in merged["records"] if r["outcome"] == "error"]
+    assert len(lost) == 1 and named(lost[0]) and "never finished" in lost[0]["reason"]
+    assert len([r for r in merged["records"] if r["outcome"] == "pass"]) == 4 * (chaos.MISBEHAVE_AT - 1)
+
+
+# ------------------------------------------------------------------ one report directory, one run
+def test_a_second_live_run_on_the_same_report_directory_stops_at_once(gate_dir):
+    env = {toy_spec.CALL_LOG_ENV: ""}
+    first = toy_spec.start_gate(gate_dir, "rep", "-n", "0", impl("hang_while_tracing"), "--timeout=60", env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (gate_dir / "rep" / "report.md").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        second = toy_spec.start_gate(gate_dir, "rep", "-n", "0", env=env)
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == pytest.ExitCode.USAGE_ERROR, out
+        assert re.search(r"--attncheck-report .*rep: in use by run \d+T\d+ \(pid \d+", out), out
+        assert report_of(gate_dir)["verdict"] == "INCOMPLETE"  # the first run's, untouched
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+    assert report_of(gate_dir)["verdict"] == "FAIL"  # the first run merged its own records
+
+
+def test_report_merges_any_run_of_the_directory(gate_dir, pytester):
+    assert toy_spec.run_gate(pytester, "rep", impl("all_nan"), "-k", "coverage").ret == pytest.ExitCode.TESTS_FAILED
+    failing_run = report_of(gate_dir)["run_id"]
+    assert toy_spec.run_gate(pytester, "rep", "-k", "coverage").ret == pytest.ExitCode.OK
+    passing_run = report_of(gate_dir)["run_id"]
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", failing_run, "--complete")
+    assert proc.returncode == 1 and report_of(gate_dir)["run_id"] == failing_run
+    assert report_of(gate_dir)["verdict"] == "FAIL"
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", passing_run, "--complete")
+    assert proc.returncode == 0 and report_of(gate_dir)["verdict"] == "PASS"
+    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", "20990101T0000000")
+    assert proc.returncode == 2 and "no such run" in proc.stderr

@@ -1,0 +1,32 @@
+"""A forward-only variant of the toy family (``toy_forward``): the output alone is judged,
+as for the ragged paged attention family. Load it with
+``--attncheck-spec tests.selftest.toy_forward_spec --attncheck-only-spec``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.selftest import toy_spec
+
+
+class ToyForwardSpec(toy_spec.ToySpec):
+    name = "toy_forward"
+    default_impls = {"builtin": "tests.selftest.toy_spec:toy_attention"}
+
+    def run(self, impl, case, inputs):
+        return {"out": np.asarray(self._forward(impl, case.params)(inputs["q"], inputs["k"], inputs["v"]))}
+
+    def oracle(self, case, inputs):
+        return {"out": super().oracle(case, inputs)["out"]}
+
+    def yardstick(self, case, inputs):
+        return {"out": super().yardstick(case, inputs)["out"]}
+
+    def output_dtypes(self, case):
+        return {"out": super().output_dtypes(case)["out"]}
+
+    def invalid_calls(self):
+        return []
+
+
+SPEC = ToyForwardSpec()
