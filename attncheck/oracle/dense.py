@@ -13,10 +13,15 @@ M is dropout_multiplier (default 1), broadcastable to [B, Hq, Q, K]: inverted dr
 passes keep / (1 - rate). It scales the weights given to v, not the normaliser (lse).
 (k_scale and v_scale default to 1.)
 
-Key j is visible to query i iff all of
+Key j is visible to query i of query head h iff all of
     q_segment_ids[b, i] == kv_segment_ids[b, j]         (when segment ids are given)
     kv_pos[j] <= q_pos[i]                               (when causal)
     q_pos[i] - kv_pos[j] < window                       (when window is given)
+    visible[b, h, i, j]                                 (when visible is given)
+visible is an explicit boolean mask given as data: a 4-D bool array of shape
+[B|1, Hq|1, Q|1, K|1] (an axis of length 1 broadcasts), so any mask (block-sparse,
+per query head, key padding, a user's boolean mask) is expressed directly. Its head
+axis counts query heads (with GQA, query heads sharing a kv head may see different keys).
 Positions default to arange(Q) and arange(K) (top-left alignment); they and the
 segment ids are integer arrays of shape [L] (shared by the batch) or [B, L],
 compared in int64 (positions past 2**31 are fine).
@@ -62,7 +67,7 @@ class _Problem:
     kv_head: np.ndarray  # [Hq] the kv head each query head reads
     kv_shape: tuple  # (B, Hkv, K): where dk and dv are summed back to
     bias: np.ndarray | None
-    visible: np.ndarray  # [B, 1, Q, K] bool
+    visible: np.ndarray  # [B, 1 or Hq, Q, K] bool
     scale: float
     soft_cap: float | None
     k_scale: float
@@ -121,6 +126,16 @@ def _per_batch(name, x, batch, length):
     return np.broadcast_to(a, (batch, length))
 
 
+def _explicit_mask(visible, full):
+    """The visible= argument: a 4-D bool array broadcastable to full = (B, Hq, Q, K)."""
+    a = np.asarray(visible)
+    if a.dtype != np.bool_:
+        _fail("visible", "a bool array", f"dtype {a.dtype}")
+    if a.ndim != 4 or any(n not in (1, m) for n, m in zip(a.shape, full)):
+        _fail("visible", f"4-D [B|1, Hq|1, Q|1, K|1] with [B, Hq, Q, K] = {list(full)}", f"shape {a.shape}")
+    return a
+
+
 def _visibility(batch, q_len, kv_len, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal, window):
     if (q_segment_ids is None) != (kv_segment_ids is None):
         given = "q_segment_ids" if kv_segment_ids is None else "kv_segment_ids"
@@ -143,8 +158,8 @@ def _visibility(batch, q_len, kv_len, q_segment_ids, kv_segment_ids, q_positions
 
 
 def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-             kv_positions=None, causal=False, window=None, soft_cap=None, k_scale=None, v_scale=None,
-             masked_rows="zero", dropout_multiplier=None):
+             kv_positions=None, causal=False, window=None, visible=None, soft_cap=None, k_scale=None,
+             v_scale=None, masked_rows="zero", dropout_multiplier=None):
     if masked_rows not in MASKED_ROW_CONVENTIONS:
         _fail("masked_rows", f"one of {MASKED_ROW_CONVENTIONS}", repr(masked_rows))
     q = _float_array("q", q)
@@ -175,6 +190,10 @@ def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=No
     k_scale = 1.0 if k_scale is None else _real("k_scale", k_scale)
     v_scale = 1.0 if v_scale is None else _real("v_scale", v_scale)
     kv_head = np.arange(q_heads) // (q_heads // kv_heads)
+    rules = _visibility(batch, q_len, kv_len, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal,
+                        window)
+    if visible is not None:
+        rules = rules & _explicit_mask(visible, (batch, q_heads, q_len, kv_len))
     return _Problem(
         q=q,
         k=k[:, kv_head] * k_scale,
@@ -182,8 +201,7 @@ def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=No
         kv_head=kv_head,
         kv_shape=(batch, kv_heads, kv_len),
         bias=bias,
-        visible=_visibility(batch, q_len, kv_len, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-                            causal, window),
+        visible=rules,
         scale=_real("scale", scale),
         soft_cap=None if soft_cap is None else _real("soft_cap", soft_cap, positive=True),
         k_scale=k_scale,
@@ -233,8 +251,8 @@ def _to_kv_heads(p, grad):
 
 def attention(q, k, v, **options) -> AttentionResult:
     """Forward pass. options: scale (required), bias, q_segment_ids, kv_segment_ids,
-    q_positions, kv_positions, causal, window, soft_cap, k_scale, v_scale, masked_rows,
-    dropout_multiplier;
+    q_positions, kv_positions, causal, window, visible, soft_cap, k_scale, v_scale,
+    masked_rows, dropout_multiplier;
     see the module docstring for their meaning."""
     return _forward(_prepare(q, k, v, **options)).result
 

@@ -54,7 +54,7 @@ def _or_none(strategy):
 
 
 @st.composite
-def cases(draw, conventions=oracle.MASKED_ROW_CONVENTIONS, with_soft_cap=True, same_head_dim=False):
+def cases(draw, conventions=oracle.MASKED_ROW_CONVENTIONS, with_soft_cap=True, same_head_dim=False, with_mask=True):
     batch = draw(st.integers(1, 2))
     kv_heads = draw(st.integers(1, 4))
     q_heads = kv_heads * draw(st.integers(1, 4 // kv_heads))
@@ -82,7 +82,15 @@ def cases(draw, conventions=oracle.MASKED_ROW_CONVENTIONS, with_soft_cap=True, s
         kv_segment_ids=None,
         q_positions=None,
         kv_positions=None,
+        visible=None,
     )
+    if with_mask == "per_head" or (with_mask and draw(st.booleans())):
+        # An explicit mask, ANDed with the rules: each axis full or broadcast (a head axis
+        # of Hq gives per-head masks); sparse enough to mask whole rows at times.
+        full = (batch, q_heads, q_len, kv_len)
+        shape = tuple(n if draw(st.booleans()) or (axis == 1 and with_mask == "per_head") else 1
+                      for axis, n in enumerate(full))
+        options["visible"] = rng.random(shape) < draw(st.sampled_from((0.3, 0.8)))
     if draw(st.booleans()):
         # Query segment 2 never occurs among the keys: those rows are fully masked.
         options["q_segment_ids"] = rng.integers(0, 3, (batch, q_len))
@@ -97,9 +105,9 @@ def cases(draw, conventions=oracle.MASKED_ROW_CONVENTIONS, with_soft_cap=True, s
 
 
 def visible_by_definition(case):
-    """[B, Q, K] bool, one (query, key) pair at a time with Python ints, as the spec reads."""
+    """[B, Hq, Q, K] bool, one (query, key) pair at a time with Python ints, as the spec reads."""
     o = case.options
-    batch, _, q_len, kv_len = case.shape
+    batch, q_heads, q_len, kv_len = case.shape
 
     def positions(name, length, b):
         x = o[name]
@@ -115,6 +123,12 @@ def visible_by_definition(case):
                     and (not o["causal"] or kv_pos[j] <= q_pos[i])
                     and (o["window"] is None or q_pos[i] - kv_pos[j] < o["window"])
                 )
+    visible = np.repeat(visible[:, None], q_heads, axis=1)
+    if o["visible"] is not None:
+        mask = o["visible"]
+        for b, h, i, j in np.ndindex(visible.shape):
+            index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), mask.shape))
+            visible[b, h, i, j] &= bool(mask[index])
     return visible
 
 
@@ -133,7 +147,7 @@ def jax_attention(q, k, v, bias=None, *, visible, options):
         logits = logits + bias
     if o["soft_cap"] is not None:
         logits = o["soft_cap"] * jnp.tanh(logits / o["soft_cap"])
-    visible = jnp.asarray(visible)[:, None]
+    visible = jnp.asarray(visible)
     empty = ~visible.any(axis=-1, keepdims=True)
     shift = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
     weights = jnp.where(visible, jnp.exp(logits - shift), 0.0)
@@ -161,7 +175,7 @@ def per_query_reference(case):
     visible = visible_by_definition(case)
     out, lse = np.zeros(case.d_out.shape), np.full(case.shape[:3], -np.inf)
     for b, h, i in np.ndindex(batch, q_heads, q_len):
-        keys, values = visible[b, i], v[b, h // group] * _scale_or_one(o["v_scale"])
+        keys, values = visible[b, h, i], v[b, h // group] * _scale_or_one(o["v_scale"])
         if not keys.any():
             out[b, h, i] = {"zero": 0.0, "mean_of_v": values.mean(axis=0), "nan": np.nan}[o["masked_rows"]]
             continue
@@ -203,9 +217,7 @@ def test_forward_and_vjp_match_jax_grad_of_independent_float64(case):
         np.testing.assert_allclose(actual[name], np.asarray(value), **FLOAT64_TOL, err_msg=name)
 
 
-@EXAMPLES
-@given(cases(conventions=("zero", "mean_of_v")))
-def test_vjp_matches_central_finite_differences(case):
+def assert_vjp_matches_central_finite_differences(case):
     grads = oracle.attention_vjp(d_out=case.d_out, **_oracle_kwargs(case))
     noise = FD_NOISE * np.sum(np.abs(oracle.attention(**_oracle_kwargs(case)).out * case.d_out))
     rng = np.random.default_rng(0)
@@ -225,6 +237,12 @@ def test_vjp_matches_central_finite_differences(case):
                                    atol=FD_RTOL * scale + noise, err_msg=name)
 
 
+@EXAMPLES
+@given(cases(conventions=("zero", "mean_of_v")))
+def test_vjp_matches_central_finite_differences(case):
+    assert_vjp_matches_central_finite_differences(case)
+
+
 @JAX_EXAMPLES
 @given(cases(conventions=("mean_of_v",), with_soft_cap=False, same_head_dim=True))
 def test_matches_jax_nn_dot_product_attention(case):
@@ -232,12 +250,12 @@ def test_matches_jax_nn_dot_product_attention(case):
     It has no soft cap, no k/v scale (applied to its inputs here) and needs Dv == D."""
     o = case.options
     kv_len = case.shape[3]
-    if o["q_segment_ids"] is None and o["q_positions"] is None:
+    if o["q_segment_ids"] is None and o["q_positions"] is None and o["visible"] is None:
         # Its own causal and window masks check the oracle's default-position semantics.
         masks = dict(is_causal=o["causal"],
                      local_window_size=None if o["window"] is None else (o["window"] - 1, 0 if o["causal"] else kv_len))
     else:
-        masks = dict(mask=visible_by_definition(case)[:, None])
+        masks = dict(mask=visible_by_definition(case))
     to_btnh = (0, 2, 1, 3)
     with jax.enable_x64(True):
         out = jax.nn.dot_product_attention(
@@ -250,6 +268,67 @@ def test_matches_jax_nn_dot_product_attention(case):
         )
         out = np.asarray(out).transpose(to_btnh)
     np.testing.assert_allclose(oracle.attention(**_oracle_kwargs(case)).out, out, **JAX_NN_TOL)
+
+
+RULES = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "window")
+
+
+def _oracle_results(kwargs, d_out):
+    result = oracle.attention(**kwargs)
+    return dict(out=result.out, lse=result.lse, fully_masked=result.fully_masked) | oracle.attention_vjp(
+        d_out=d_out, **kwargs)
+
+
+@EXAMPLES
+@given(cases())
+def test_explicit_mask_equals_the_rules_it_replaces(case):
+    """The visibility the rules (segments, causal, window, positions) and any drawn mask
+    define, given instead as one explicit mask, gives bit-identical outputs and gradients
+    under every convention: the mask is ANDed with the rules, broadcast per axis."""
+    as_data = _oracle_kwargs(case) | dict.fromkeys(RULES) | dict(causal=False, visible=visible_by_definition(case))
+    expected, actual = _oracle_results(_oracle_kwargs(case), case.d_out), _oracle_results(as_data, case.d_out)
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(actual[name], value, err_msg=name)
+
+
+@EXAMPLES
+@given(cases(conventions=("zero", "mean_of_v"), with_mask="per_head"))
+def test_vjp_with_per_head_mask_matches_central_finite_differences(case):
+    assert_vjp_matches_central_finite_differences(case)
+
+
+@pytest.mark.parametrize("masked_rows", oracle.MASKED_ROW_CONVENTIONS)
+@pytest.mark.parametrize("q_heads, kv_heads", [(2, 1), (4, 2), (3, 3)])
+def test_per_head_mask_applies_to_its_query_head_only(q_heads, kv_heads, masked_rows):
+    """Each query head's rows, values and dq equal attention over that head alone with its
+    own mask; dk and dv are the sums over the query heads sharing a kv head."""
+    rng = np.random.default_rng(q_heads)
+    q, k, v = rng.normal(size=(2, q_heads, 5, 3)), rng.normal(size=(2, kv_heads, 6, 3)), rng.normal(size=(2, kv_heads, 6, 4))
+    bias, d_out = rng.normal(size=(2, q_heads, 5, 6)), rng.normal(size=(2, q_heads, 5, 4))
+    visible = rng.random((1, q_heads, 5, 6)) < 0.5
+    visible[:, 0, 1] = False  # a row fully masked in head 0 only
+    visible[:, 1:, 1, 0] = True
+    options = dict(scale=0.6, soft_cap=2.5, v_scale=1.5, masked_rows=masked_rows)
+    result = oracle.attention(q, k, v, bias=bias, visible=visible, **options)
+    grads = oracle.attention_vjp(q, k, v, d_out, bias=bias, visible=visible, **options)
+    assert result.fully_masked[:, 0, 1].all() and not result.fully_masked[:, 1:, 1].any()
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    group = q_heads // kv_heads
+    for h in range(q_heads):
+        kv = np.s_[:, h // group:h // group + 1]
+        alone = dict(q=q[:, h:h + 1], k=k[kv], v=v[kv], bias=bias[:, h:h + 1], visible=visible[:, h:h + 1]) | options
+        expected = oracle.attention(**alone)
+        expected_grads = oracle.attention_vjp(d_out=d_out[:, h:h + 1], **alone)
+        np.testing.assert_array_equal(result.out[:, h], expected.out[:, 0])
+        np.testing.assert_array_equal(result.lse[:, h], expected.lse[:, 0])
+        np.testing.assert_array_equal(result.fully_masked[:, h], expected.fully_masked[:, 0])
+        np.testing.assert_array_equal(grads["dq"][:, h], expected_grads["dq"][:, 0])
+        np.testing.assert_array_equal(grads["dbias"][:, h], expected_grads["dbias"][:, 0])
+        dk[kv] += expected_grads["dk"]
+        dv[kv] += expected_grads["dv"]
+    np.testing.assert_allclose(grads["dk"], dk, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(grads["dv"], dv, rtol=1e-13, atol=1e-14)
 
 
 def _random(shape, seed=0):
@@ -321,6 +400,56 @@ def test_fully_masked_rows_follow_their_convention(masked_rows):
     np.testing.assert_allclose(grads["dv"], baseline["dv"] + dv_from_masked, rtol=1e-14, atol=1e-15)
 
 
+@pytest.mark.parametrize("masked_rows", oracle.MASKED_ROW_CONVENTIONS)
+def test_rows_hidden_by_an_explicit_mask_equal_rows_hidden_by_segments(masked_rows):
+    """The segment-9 rows of _fully_masked_problem, hidden instead by a [1, 1, Q, K] mask:
+    identical results, so they follow their convention as that test shows."""
+    kwargs, d_out = _fully_masked_problem()
+    same_segment = kwargs["q_segment_ids"][:, None] == kwargs["kv_segment_ids"][None, :]
+    as_mask = kwargs | dict(q_segment_ids=None, kv_segment_ids=None, visible=same_segment[None, None],
+                            masked_rows=masked_rows)
+    expected = _oracle_results(kwargs | dict(masked_rows=masked_rows), d_out)
+    actual = _oracle_results(as_mask, d_out)
+    assert actual["fully_masked"][:, :, 3:].all() and not actual["fully_masked"][:, :, :3].any()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(actual[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("masked_rows", oracle.MASKED_ROW_CONVENTIONS)
+def test_row_masked_in_one_head_follows_its_convention_alone(masked_rows):
+    """Query 2 of query head 1 sees no key; head 0 shares its kv head and sees every key.
+    Everything else is the unmasked attention with that row's cotangent removed."""
+    kwargs, d_out = _fully_masked_problem()
+    kwargs = kwargs | dict(q_segment_ids=None, kv_segment_ids=None)
+    visible = np.ones((1, 4, 5, 6), dtype=bool)
+    visible[:, 1, 2] = False
+    row = np.s_[:, 1, 2]
+    result = oracle.attention(**kwargs, visible=visible, masked_rows=masked_rows)
+    unmasked = oracle.attention(**kwargs)
+    expected_fully_masked = np.zeros((2, 4, 5), dtype=bool)
+    expected_fully_masked[row] = True
+    np.testing.assert_array_equal(result.fully_masked, expected_fully_masked)
+    np.testing.assert_array_equal(result.lse[row], -np.inf)
+    np.testing.assert_array_equal(result.lse[~expected_fully_masked], unmasked.lse[~expected_fully_masked])
+    np.testing.assert_array_equal(result.out[~expected_fully_masked], unmasked.out[~expected_fully_masked])
+    v = kwargs["v"] * 1.5  # v_scale
+    np.testing.assert_allclose(result.out[row], {"zero": np.zeros((2, 2)), "mean_of_v": v[:, 0].mean(axis=1),
+                                                 "nan": np.full((2, 2), np.nan)}[masked_rows], rtol=1e-15)
+
+    grads = oracle.attention_vjp(**kwargs, d_out=d_out, visible=visible, masked_rows=masked_rows)
+    without_row = d_out.copy()
+    without_row[row] = 0.0
+    baseline = oracle.attention_vjp(**kwargs, d_out=without_row)
+    np.testing.assert_array_equal(grads["dq"][row], {"nan": np.nan}.get(masked_rows, 0.0))
+    np.testing.assert_array_equal(grads["dq"][~expected_fully_masked], baseline["dq"][~expected_fully_masked])
+    np.testing.assert_allclose(grads["dk"], baseline["dk"], rtol=1e-14, atol=1e-15)
+    np.testing.assert_array_equal(grads["dbias"], baseline["dbias"])
+    dv_from_row = np.zeros_like(kwargs["v"])
+    if masked_rows == "mean_of_v":
+        dv_from_row[:, 0] = 1.5 * d_out[row][:, None] / 6  # kv head 0, spread over the 6 keys
+    np.testing.assert_allclose(grads["dv"], baseline["dv"] + dv_from_row, rtol=1e-14, atol=1e-15)
+
+
 def test_low_precision_inputs_are_upcast_exactly():
     shapes = [(1, 2, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)]
     q, k, v = (_random(shape, seed).astype(ml_dtypes.bfloat16) for seed, shape in enumerate(shapes))
@@ -379,6 +508,9 @@ def _valid_problem():
     (dict(k_scale="2"), r"^k_scale: "),
     (dict(v_scale=np.inf), r"^v_scale: "),
     (dict(masked_rows="ignore"), r"^masked_rows: expected one of \('zero', 'mean_of_v', 'nan'\)"),
+    (dict(visible=np.ones((1, 2, 3, 5), int)), r"^visible: expected a bool array, got dtype int64"),
+    (dict(visible=np.ones((3, 5), bool)), r"^visible: expected 4-D .*got shape \(3, 5\)"),
+    (dict(visible=np.ones((1, 4, 3, 5), bool)), r"^visible: .*\[B, Hq, Q, K\] = \[1, 2, 3, 5\], got shape \(1, 4, 3, 5\)"),
 ])
 def test_invalid_input_raises_naming_the_argument(override, match):
     with pytest.raises(ValueError, match=match):
