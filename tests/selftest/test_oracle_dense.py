@@ -304,7 +304,8 @@ def test_per_head_mask_applies_to_its_query_head_only(q_heads, kv_heads, masked_
     """Each query head's rows, values and dq equal attention over that head alone with its
     own mask; dk and dv are the sums over the query heads sharing a kv head."""
     rng = np.random.default_rng(q_heads)
-    q, k, v = rng.normal(size=(2, q_heads, 5, 3)), rng.normal(size=(2, kv_heads, 6, 3)), rng.normal(size=(2, kv_heads, 6, 4))
+    q, k = rng.normal(size=(2, q_heads, 5, 3)), rng.normal(size=(2, kv_heads, 6, 3))
+    v = rng.normal(size=(2, kv_heads, 6, 4))
     bias, d_out = rng.normal(size=(2, q_heads, 5, 6)), rng.normal(size=(2, q_heads, 5, 4))
     visible = rng.random((1, q_heads, 5, 6)) < 0.5
     visible[:, 0, 1] = False  # a row fully masked in head 0 only
@@ -510,7 +511,8 @@ def _valid_problem():
     (dict(masked_rows="ignore"), r"^masked_rows: expected one of \('zero', 'mean_of_v', 'nan'\)"),
     (dict(visible=np.ones((1, 2, 3, 5), int)), r"^visible: expected a bool array, got dtype int64"),
     (dict(visible=np.ones((3, 5), bool)), r"^visible: expected 4-D .*got shape \(3, 5\)"),
-    (dict(visible=np.ones((1, 4, 3, 5), bool)), r"^visible: .*\[B, Hq, Q, K\] = \[1, 2, 3, 5\], got shape \(1, 4, 3, 5\)"),
+    (dict(visible=np.ones((1, 4, 3, 5), bool)),
+     r"^visible: .*\[B, Hq, Q, K\] = \[1, 2, 3, 5\], got shape \(1, 4, 3, 5\)"),
 ])
 def test_invalid_input_raises_naming_the_argument(override, match):
     with pytest.raises(ValueError, match=match):
