@@ -37,10 +37,16 @@ or of all ring chunks, when ``causal=False``).
   (e.g. a query whose segment id is absent from kv): every key in ``V(i)`` has
   the same logit ``DEFAULT_MASK_VALUE``, so the output row is the **unweighted
   mean of v over V(i)**, i.e. over all keys when non-causal and over keys
-  ``kv_offset + j <= q_offset + i`` when causal.  Its gradient is the gradient
-  of that same formula (uniform ``p = 1/|V(i)|``), so dq/dk/dv/dab are
-  non-zero for such rows exactly as autodiff of the reference formula
-  ``softmax(where(seg_eq, logits, MASK))`` gives.
+  ``kv_offset + j <= q_offset + i`` when causal.  Its gradient is that of an
+  *additive* mask, ``softmax(logits + where(seg_eq, 0, MASK))``: the mask
+  value swamps the logits' values but not their derivative (jax's bundled
+  kernel, which adds the mask, gives the same non-causally).  With
+  ``p_ij = 1/|V(i)|`` on ``V(i)``, ``dp_ij = do_i . v_j`` and
+  ``ds_ij = p_ij (dp_ij - sum_k p_ik dp_ik)`` (the gradient of the scaled
+  logits): ``dv_j += p_ij do_i``, ``dq_i = sm_scale sum_j ds_ij k_j``,
+  ``dk_j += sm_scale ds_ij q_i`` and ``d_ab_ij = sm_scale ds_ij``, all
+  non-zero in general.  (Autodiff of ``softmax(where(seg_eq, logits, MASK))``
+  would give zero dq/dk/d_ab for such rows instead; this kernel does not.)
 * If ``V(i)`` is empty (only possible with ``causal=True`` and
   ``kv_offset > q_offset + i``, e.g. a ring chunk entirely in the future): the
   row contributes nothing; with the public API its output is **0** (zero
