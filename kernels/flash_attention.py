@@ -59,10 +59,19 @@ or of all ring chunks, when ``causal=False``).
   out as the mean of v over whichever keys happened to lie in non-skipped
   blocks -- a block-size-dependent answer, and one that differed between the
   forward blocks and the backward blocks.)
-* Entries of ``ab`` equal to ``-inf`` get weight exactly 0 (the running max is
-  floored at ``DEFAULT_MASK_VALUE``, so no ``-inf - -inf`` NaN); a row whose
-  visible logits are all ``-inf`` comes out as 0 with zero gradient.
-  ``+inf``/NaN in ``ab`` propagate as NaN.
+* ``ab`` only counts where the key is in ``V(i)`` *and* shares the query's
+  segment: elsewhere the mask replaces the logit (or a causally skipped block
+  is never read), so any value there, ``-inf``, ``+inf`` or NaN, is ignored
+  (in particular a query whose segment is absent averages over ``V(i)`` even
+  where ``ab`` is ``-inf``).  Where it counts, an entry equal to ``-inf`` gets
+  weight exactly 0 and d_ab 0 (the running max is floored at
+  ``DEFAULT_MASK_VALUE``, so no ``-inf - -inf`` NaN).  A row whose
+  same-segment keys in ``V(i)`` are all ``-inf`` comes out as 0 with zero
+  gradient when ``V(i)`` holds no key of another segment, and otherwise as the
+  unweighted mean of v over the other-segment keys of ``V(i)`` (their logit
+  ``DEFAULT_MASK_VALUE`` beats ``-inf``), with the additive-mask gradient
+  above.  ``+inf`` or NaN where it counts makes that row NaN (out, dq, d_ab)
+  and, through the sums over rows, all of dk and dv.
 
 Carry (ring attention building blocks)
 ======================================
