@@ -48,11 +48,14 @@ or of all ring chunks, when ``causal=False``).
   non-zero in general.  (Autodiff of ``softmax(where(seg_eq, logits, MASK))``
   would give zero dq/dk/d_ab for such rows instead; this kernel does not.)
 * If ``V(i)`` is empty (only possible with ``causal=True`` and
-  ``kv_offset > q_offset + i``, e.g. a ring chunk entirely in the future): the
-  row contributes nothing; with the public API its output is **0** (zero
-  gradients), and a ring step leaves its ``o`` and ``l`` unchanged (``m`` may
-  move from ``-inf`` to the floor ``DEFAULT_MASK_VALUE``, which is
-  equivalent).
+  ``kv_offset > q_offset + i``, so only in the ring building blocks, e.g. a
+  ring chunk entirely in the future: the public API has offsets 0, and key 0
+  is visible to every query): the row contributes nothing.  A ring step
+  leaves its ``l`` unchanged and its ``o`` unchanged up to one rounding
+  (``o`` is rescaled by ``l`` and back); ``m`` may move from ``-inf`` to the
+  floor ``DEFAULT_MASK_VALUE``, which is equivalent.  A row that saw no key in
+  any chunk finalizes to **0**, and the backward steps give it zero dq and no
+  dk/dv/d_ab contribution.
 * Causal block skipping never changes any of the above: a skipped block holds
   only invisible keys, whose weight is exactly 0 anyway.  (The seeds instead
   *added* the mask value for causally masked keys, so a fully masked row came
