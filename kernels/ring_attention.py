@@ -40,9 +40,11 @@ Scale and bias
 Masking
     Causal (global key index <= global query index), segment ids (equal ids
     attend) and ``attn_mask`` (True = attend) remove logits exactly
-    (probability exactly 0).  A bias entry of ``-inf`` masks too.  A query row that can see no key at all (possible only with
-    ``attn_mask`` or ``-inf`` bias, since with shared segment ids a token
-    always sees itself) has output 0 and contributes no gradient.
+    (probability exactly 0).  A bias entry of ``-inf`` masks too.  A query
+    row that can see no key at all (possible with ``attn_mask``, ``-inf``
+    bias, or a ``(q, kv)`` segment-id pair whose query id is absent from the
+    keys; with one shared segment-id array a token always sees itself) has
+    output 0 and contributes no gradient.
 
 Segment ids
     ``segment_ids`` is an int array ``[batch, seq]`` used for queries and
@@ -868,8 +870,8 @@ def ring_flash_attention_tpu(
     Same conventions as :func:`ring_attention` (layout ``[batch, seq, heads,
     head_dim]``, ``q.k * sm_scale + bias``, bias/segment-id sharding, rows
     with no visible key -> 0) without chunking or dropout.  The kernels
-    require (per device): head_dim a multiple of 128 or 32/64, kv length a
-    multiple of 128, q length a multiple of 8, float32 or bfloat16.
+    require (per device): head_dim a multiple of 128 or exactly 64, kv length
+    a multiple of 128, q length a multiple of 8, float32 or bfloat16.
 
     Args:
       block_sizes: ``flash_attention.BlockSizes`` for one (q block, kv block)
