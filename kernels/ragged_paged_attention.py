@@ -20,6 +20,15 @@ Conventions (the public contract; the gate's oracles rely on them):
   keys before it); this is the seed's ``q_pos - W >= j`` mask, inverted.
 * Logits are ``sm_scale * q.k``; ``soft_cap`` is applied after that scaling
   (``soft_cap * tanh(logits / soft_cap)``), then the mask.
+* Masked keys get probability exactly 0 only because their logit
+  ``mask_value`` underflows: ``exp(mask_value - row max) == 0`` in float32.
+  The default (``DEFAULT_MASK_VALUE``, -0.7 * float32 max) does for any row
+  max above it by more than ~104, i.e. any realistic logits.  A ``mask_value``
+  that does not (e.g. -1 with logits of order 1) is accepted but gives no
+  defined result: it is the logit only of the masked keys in the K/V blocks
+  the kernel visits, and of the slots past ``kv_len`` in its last block, so
+  the output depends on ``num_kv_pages_per_block`` and differs from
+  :func:`ref_ragged_paged_attention`, which gives it to every masked key.
 * ``k_scale`` / ``v_scale``: K (V) is converted to float32, multiplied by the
   scale and cast to the query dtype before use.  Without a scale, 8-bit K/V
   (int8, fp8) is cast to the query dtype and 16/32-bit float K/V is used in
@@ -474,6 +483,9 @@ def ref_ragged_paged_attention(
 ):
   """Plain-jnp reference with the kernel's semantics (needs concrete metadata).
 
+  Equal to the kernel for any mask_value that underflows (see the module
+  docstring); with one that does not, the two differ.
+
   Unlike the seed's reference (which returns only the cu_q_lens[num_seqs]
   valid rows), this returns an array shaped like `queries` with zeros in the
   rows that belong to no sequence, as the kernel does.
@@ -883,7 +895,9 @@ def ragged_paged_attention(
     sm_scale: multiplies q.k before the soft cap.
     sliding_window: a query sees keys j with q_pos - j < sliding_window.
     soft_cap: logits become soft_cap * tanh(logits / soft_cap).
-    mask_value: logit of masked entries (None: DEFAULT_MASK_VALUE).
+    mask_value: logit of masked entries (None: DEFAULT_MASK_VALUE); must be
+      low enough that exp(mask_value - row max) underflows to 0 in float32
+      (see the module docstring), else the result depends on the block sizes.
     k_scale, v_scale: dequantization scales of K and V.
     num_kv_pages_per_block: pages per K/V block (None: default rule).
     num_queries_per_block: query tokens per grid step (None: default rule).
