@@ -68,8 +68,11 @@ def _softmax_times_v_fwd(s, v, multiplier, seq_major):
 
 def _softmax_times_v_bwd(seq_major, residuals, d_out):
     s, lse, v, multiplier, out = residuals
-    # P is recomputed from the logits and the log-sum-exp, as flash backward kernels do.
-    p_raw = jnp.exp(s - lse)
+    # P is recomputed from the logits and the log-sum-exp, as flash backward kernels do. A
+    # fully masked row's lse, _MASKED_LOGIT + log K, rounds to _MASKED_LOGIT in float32, which
+    # would make its P 1 instead of 1/K: its uniform P is written as such.
+    fully_masked = jnp.max(s, axis=-1, keepdims=True) <= _MASKED_LOGIT
+    p_raw = jnp.where(fully_masked, 1.0 / s.shape[-1], jnp.exp(s - lse))
     d_out = d_out.astype(jnp.float32)
     dv = jnp.einsum("bhqk,bhqd->bhkd", (p_raw * multiplier).astype(v.dtype), d_out.astype(v.dtype),
                     preferred_element_type=jnp.float32).astype(v.dtype)
