@@ -115,8 +115,9 @@ def gate_tests(options: Options) -> list[GateTest]:
     for spec in options.selected_specs():
         impls = {"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls)
         for impl_name, ref in impls.items():
-            for name in (b for b in spec.backends if b in chosen):
-                if name == spec.backends[0] and spec.bug_classes:
+            own = spec.backends_for(impl_name)
+            for name in (b for b in own if b in chosen):
+                if name == own[0] and spec.bug_classes:
                     tests += [GateTest(spec, impl_name, ref, name, COVERAGE, share)
                               for share in coverage.shares(len(coverage.examples(spec)))]
                 tests.append(GateTest(spec, impl_name, ref, name, DRAWN))

@@ -61,7 +61,7 @@ def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attnche
         assert not failures, "\n\n".join(failures)
         return
 
-    first_backend = gate_target.backend_name == spec.backends[0]
+    first_backend = gate_target.backend_name == spec.backends_for(gate_target.impl_name)[0]
     covered = {case.id for case in coverage.examples(spec)} if first_backend else set()
 
     @settings(max_examples=examples_for(spec.examples_for(gate_target.backend_name)))

@@ -54,11 +54,13 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
                 shutil.copy2(src, root / name)
         apply(mutant, root)
         # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
-        # change only kernels/, so the copies reuse this checkout's coverage examples.
+        # change only kernels and module copies, so the copies reuse this checkout's
+        # coverage examples.
         env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{CACHE_ENV: cache_root_setting()})
         report_dir = root / "reports"
         try:
-            proc = subprocess.run(gate_command(None if whole_gate else mutant.family, report_dir),
+            proc = subprocess.run(gate_command(None if whole_gate else mutant.family, report_dir,
+                                               mutant.impl_override),
                                   cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return _result(mutant, "timed out", start, f"no verdict within {timeout_s:.0f} s")

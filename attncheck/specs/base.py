@@ -47,6 +47,9 @@ class KernelSpec(abc.ABC, Generic[P]):
     - ``params_type``: the frozen :class:`~attncheck.cases.Params` dataclass of its cases;
     - ``default_impls``: implementation name -> "module:function" of the convention;
     - ``backends``: the backends it runs on; the first also runs the coverage examples;
+    - ``impl_backends``: optionally, a default implementation's own backends where they
+      differ (a pure-JAX and a Pallas implementation of one convention); a user's
+      implementation (``--attncheck-impl``) gets every backend of the family;
     - ``bug_classes``: :class:`~attncheck.coverage.BugClass` predicates, each exercised in
       every gate run (``coverage.bug_classes(name=predicate, ...)``);
     - ``examples``: drawn cases per backend in the CI profile (profiles scale them); a
@@ -59,6 +62,7 @@ class KernelSpec(abc.ABC, Generic[P]):
     params_type: ClassVar[type[Params]]
     default_impls: ClassVar[Mapping[str, str]]
     backends: ClassVar[tuple[str, ...]]
+    impl_backends: ClassVar[Mapping[str, tuple[str, ...]]] = types.MappingProxyType({})
     bug_classes: ClassVar[tuple[BugClass, ...]] = ()
     examples: ClassVar[Mapping[str, int]] = types.MappingProxyType({})
 
@@ -73,6 +77,11 @@ class KernelSpec(abc.ABC, Generic[P]):
         if unknown or not self.backends:
             raise TypeError(f"{type(self).__name__}: backends {list(self.backends)} / examples "
                             f"{list(self.examples)} must name known backends ({', '.join(BACKENDS)})")
+        stray = {name: b for name, b in self.impl_backends.items()
+                 if name not in self.default_impls or not b or not set(b) <= set(self.backends)}
+        if stray:
+            raise TypeError(f"{type(self).__name__}: impl_backends {stray} must name default implementations and "
+                            f"some of the family's backends {list(self.backends)}")
         names = [c.name for c in self.bug_classes]
         if len(names) != len(set(names)):
             raise TypeError(f"{type(self).__name__}: bug class names repeat: {names}")
@@ -87,6 +96,10 @@ class KernelSpec(abc.ABC, Generic[P]):
 
     def case_from_json(self, data: Mapping) -> Case[P]:
         return Case.from_json(data, self.params_type)
+
+    def backends_for(self, impl_name: str) -> tuple[str, ...]:
+        """The backends an implementation runs on; the first also runs its coverage examples."""
+        return tuple(self.impl_backends.get(impl_name, self.backends))
 
     def examples_for(self, backend: str) -> int:
         return self.examples.get(backend, self.DEFAULT_EXAMPLES)

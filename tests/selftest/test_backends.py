@@ -124,3 +124,27 @@ def test_hazard_checks_refuse_more_devices_than_their_limit_by_name():
                                          rf"this case needs {2 * limit}"):
         hazards.settings(0, devices=2 * limit)
     assert backends.BACKENDS["interpret"].runs_devices(8)
+
+
+def test_each_default_implementation_runs_on_its_own_backends_and_a_user_one_on_all(monkeypatch):
+    """A convention with a pure-JAX and a Pallas implementation (jax.nn's and a kernel's):
+    each default implementation gets its own backends, its coverage on the first of them."""
+    from attncheck import selection, specs
+    from tests.selftest import toy_spec
+
+    class TwoKinds(toy_spec.ToySpec):
+        backends = ("xla", "interpret")
+        default_impls = {"jnp": "tests.selftest.toy_spec:toy_attention",
+                         "kernel": "tests.selftest.toy_spec:toy_attention_lse"}
+        impl_backends = {"jnp": ("xla",), "kernel": ("interpret",)}
+
+    spec = TwoKinds()
+    monkeypatch.setattr(specs, "all_specs", lambda: {spec.name: spec})
+    run = {(t.impl_name, t.backend_name, t.part) for t in selection.gate_tests(selection.Options())}
+    assert run == {("jnp", "xla", "coverage"), ("jnp", "xla", "drawn"),
+                   ("kernel", "interpret", "coverage"), ("kernel", "interpret", "drawn")}
+    user = selection.Options(impls=("toy_attention=tests.selftest.toy_spec:toy_attention",))
+    assert {(t.impl_name, t.backend_name, t.part) for t in selection.gate_tests(user)} == {
+        ("user", "xla", "coverage"), ("user", "xla", "drawn"), ("user", "interpret", "drawn")}
+    with pytest.raises(TypeError, match="impl_backends"):
+        type("Stray", (TwoKinds,), {"impl_backends": {"jnp": ("tpu",)}})()

@@ -47,9 +47,8 @@ def test_sample_is_small_and_spans_kernels():
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.id for m in CATALOGUE])
 def test_catalogue_snippet_applies_exactly_once(mutant):
     mutated = mutated_source(mutant)  # raises CatalogueError unless exactly once
-    original = (runner.PROJECT_ROOT / mutant.file).read_text()
-    assert mutated != original, f"{mutant.id}: the replacement changes nothing"
-    compile(mutated, mutant.file, "exec")  # a mutant must be a bug, not a syntax error
+    assert mutated != mutant.original_source(), f"{mutant.id}: the replacement changes nothing"
+    compile(mutated, mutant.copy_path, "exec")  # a mutant must be a bug, not a syntax error
 
 
 def test_catalogue_ids_are_unique():
@@ -94,10 +93,29 @@ def test_ambiguous_snippet_raises(tmp_path):
     twice = Mutant("twice", "blockwise_ffn", "kernels/k.py", find="x = 1\n", replace="x = 2\n",
                    description="ambiguous snippet", bug_class="none")
     with pytest.raises(CatalogueError, match="2 times"):
-        mutated_source(twice, tmp_path)
+        apply(twice, tmp_path)
     once = dataclasses.replace(twice, find="x = 1\nx = 1\n", replace="x = 1\nx = 2\n")
     apply(once, tmp_path)
     assert (tmp_path / "kernels" / "k.py").read_text() == "x = 1\nx = 2\n"
+
+
+def test_a_mutant_of_an_installed_module_is_planted_in_a_copy_the_gate_is_pointed_at(tmp_path):
+    """jax's bundled kernels are verified too: their mutants go into a copy of the module
+    inside the project copy, never into the installed package."""
+    module = "jax.experimental.pallas.ops.tpu.flash_attention"
+    original = Mutant("m", "flash_attention", None, find="def flash_attention(", replace="def flash_attention(",
+                      description="d", bug_class="b", module=module, impl="flash_attention").original_source()
+    mutant = Mutant("m", "flash_attention", None, find="        block_b=1,\n", replace="        block_b=2,\n",
+                    description="d", bug_class="b", module=module, impl="flash_attention")
+    apply(mutant, tmp_path)
+    copy = tmp_path / mutant.copy_path
+    assert copy.read_text() == original.replace("        block_b=1,\n", "        block_b=2,\n") != original
+    assert (copy.parent / "__init__.py").exists()
+    assert mutant.impl_override == (
+        "--attncheck-impl=flash_attention=mutated_modules.flash_attention:flash_attention",)
+    assert mutant.original_source() == original  # the installed module is untouched
+    with pytest.raises(CatalogueError, match="either file, or module and impl"):
+        dataclasses.replace(mutant, impl=None)
 
 
 def test_select_rejects_unknown_ids():
