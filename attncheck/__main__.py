@@ -60,6 +60,7 @@ def cmd_repro(args) -> int:
     env.configure()  # before jax starts: ring cases run on several simulated devices
     from attncheck import check, specs
     from attncheck.backends import BACKENDS
+    from attncheck.report import errormap
     from attncheck.report.records import Record
 
     report_dir = pathlib.Path(args.report)
@@ -94,7 +95,9 @@ def cmd_repro(args) -> int:
     print(f"case {case.id}: {spec.name} / {record.impl} ({record.impl_ref}) on {backend_name}")
     print("  parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(case.params.to_json().items()))
           + f", seed={case.seed}")
-    outcome = check.check_case(check.Target(spec, record.impl, impl, backend), case, report_dir=args.report)
+    # Every direction's map: a terminal shows the text grid of each one asked for.
+    outcome = check.check_case(check.Target(spec, record.impl, impl, backend), case, report_dir=args.report,
+                               maps=None if args.maps == "none" else errormap.EveryMap())
     for r in outcome.records:
         line = f"  {r.direction:>10}: {r.outcome.upper():5} {r.reason}"
         m = r.metrics
@@ -105,12 +108,14 @@ def cmd_repro(args) -> int:
                      f"budget {m.budget:.3g}, ulp p99 {m.ulp_p99:.3g})")
         if r.traceback and args.verbose:
             line += "\n" + r.traceback
+        if r.error_map is not None and (args.maps == "all" or (args.maps == "failing" and not r.passed)):
+            line += "".join(f"\n{'':4}{row}" for row in r.error_map.to_text().splitlines())
         print(line)
     return 1 if outcome.failures else 0
 
 
 def cmd_report(args) -> int:
-    from attncheck import specs
+    from attncheck import accepted, specs
     from attncheck.report import merge, render
     from attncheck.report import records as rec
 
@@ -133,7 +138,8 @@ def cmd_report(args) -> int:
                              accepted_path=args.accepted_budgets)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    render.write(directory, report)
+    render.write(directory, report,
+                 accepted=accepted.read(pathlib.Path(args.accepted_budgets)) if args.accepted_budgets else None)
     print((directory / "report.md").read_text(encoding="utf-8"))
     return 0 if report.verdict == "PASS" else 1
 
@@ -199,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", action="append", default=[], metavar="MODULE",
                    help="a spec module the case's family comes from (as given to --attncheck-spec)")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--maps", choices=("all", "failing", "none"), default="all",
+                   help="print the error map of these directions as a text grid (default: %(default)s)")
     p.set_defaults(func=cmd_repro)
     p = sub.add_parser("report", help="(re)merge the records of a run into its reports")
     _add_report(p)

@@ -82,19 +82,37 @@ def _accepted_impl(impl: str) -> str:
     return "builtin" if impl == "user" else impl
 
 
-def regressions(rows: list[SummaryRow], accepted: list[AcceptedBudget], floor: float = REGRESSION_FLOOR) -> list[str]:
-    """Budgets that grew past the accepted ones. Keyed by implementation too: a family's
-    implementations differ legitimately (e.g. blockwise vs one-shot reductions), so each
-    is compared with its own accepted budget, never with another's."""
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """A summary row against its accepted budget: None where the group is new."""
+
+    row: SummaryRow
+    accepted: float | None
+    limit: float | None  # the worst budget past which it is a numerics regression
+
+    @property
+    def regressed(self) -> bool:
+        return self.limit is not None and self.row.worst_budget > self.limit
+
+
+def standings(rows: list[SummaryRow], accepted: list[AcceptedBudget],
+              floor: float = REGRESSION_FLOOR) -> list[Standing]:
+    """Each row with its accepted budget and regression limit. Keyed by implementation
+    too: a family's implementations differ legitimately (e.g. blockwise vs one-shot
+    reductions), so each is compared with its own accepted budget, never with another's."""
     by_key = {b.key: b.worst_budget for b in accepted}
-    found = []
+    out = []
     for row in rows:
-        key = (row.kernel, _accepted_impl(row.impl), row.backend, row.dtype, row.direction)
-        if key in by_key and row.worst_budget > REGRESSION_FACTOR * max(by_key[key], floor):
-            found.append(f"numerics regression: {'/'.join((row.kernel, row.impl) + key[2:])} worst budget "
-                         f"{row.worst_budget:.3g} > {REGRESSION_FACTOR} x accepted {by_key[key]:.3g} "
-                         f"(case {row.worst_case})")
-    return found
+        old = by_key.get((row.kernel, _accepted_impl(row.impl), row.backend, row.dtype, row.direction))
+        out.append(Standing(row, old, None if old is None else REGRESSION_FACTOR * max(old, floor)))
+    return out
+
+
+def regressions(rows: list[SummaryRow], accepted: list[AcceptedBudget], floor: float = REGRESSION_FLOOR) -> list[str]:
+    """Budgets that grew past the accepted ones (``standings``)."""
+    return [f"numerics regression: {s.row.kernel}/{s.row.impl}/{s.row.backend}/{s.row.dtype}/{s.row.direction} "
+            f"worst budget {s.row.worst_budget:.3g} > {REGRESSION_FACTOR} x accepted {s.accepted:.3g} "
+            f"(case {s.row.worst_case})" for s in standings(rows, accepted, floor) if s.regressed]
 
 
 def from_summary(rows: list[SummaryRow]) -> list[AcceptedBudget]:

@@ -20,6 +20,7 @@ import numpy as np
 from attncheck import numerics
 from attncheck.backends import Backend
 from attncheck.cases import Case
+from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record
 from attncheck.specs.base import KernelSpec
 
@@ -184,10 +185,32 @@ def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.n
                   timings=dict(timings, compare_s=time.perf_counter() - start))
 
 
+def with_error_map(record: Record, spec: KernelSpec, case: Case, got, truth: np.ndarray, care,
+                   maps: errormap.MapPolicy) -> Record:
+    """The record with its error map when ``maps`` keeps one for it. The map's time is
+    part of the comparison's (``compare_s``) and also on its own (``error_map_s``)."""
+    if record.metrics is None or not maps.keep((record.kernel, record.impl, record.direction), record.budget,
+                                               not record.passed):
+        return record
+    start = time.perf_counter()
+    try:
+        emap = errormap.build(got, truth, allowed=record.metrics.allowed, direction=record.direction,
+                              layout=spec.error_map_layout(case, record.direction), care=care)
+    except Exception as exc:  # noqa: BLE001 - a spec whose layout does not fit its arrays: say so
+        return dataclasses.replace(record, outcome="error", reason=f"error map of {record.direction}: {error_text(exc)} "
+                                   f"(the spec's error_map_layout does not fit); {record.reason}",
+                                   traceback=traceback.format_exc(limit=8))
+    seconds = time.perf_counter() - start
+    timings = dict(record.timings, compare_s=record.timings.get("compare_s", 0.0) + seconds, error_map_s=seconds)
+    return dataclasses.replace(record, error_map=emap, timings=timings)
+
+
 # ------------------------------------------------------------------ the case
 def check_case(target: Target, case: Case, *, report_dir: str | None = None, nodeid: str = "",
-               started: Callable[[CaseRun], None] | None = None) -> Outcome:
-    """Run a case and judge every direction; ``started`` is told the case is about to run."""
+               started: Callable[[CaseRun], None] | None = None,
+               maps: errormap.MapPolicy | None = None) -> Outcome:
+    """Run a case and judge every direction; ``started`` is told the case is about to run;
+    ``maps`` chooses the records that carry an error map (None: none)."""
     base = case_run(target, case, report_dir, nodeid)
     if started is not None:
         started(base)
@@ -219,8 +242,11 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
             records.append(Record(**dataclasses.asdict(base), direction=direction, outcome="error",
                                   reason=f"implementation returned no {direction!r}", timings=dict(timings)))
             continue
-        records.append(judge(base, direction, got[direction], truth[direction], reference[direction],
-                             dtype=dtypes[direction], care=care.get(direction), timings=timings))
+        record = judge(base, direction, got[direction], truth[direction], reference[direction],
+                       dtype=dtypes[direction], care=care.get(direction), timings=timings)
+        if maps is not None:
+            record = with_error_map(record, spec, case, got[direction], truth[direction], care.get(direction), maps)
+        records.append(record)
     return Outcome(records)
 
 

@@ -21,6 +21,7 @@ from hypothesis import settings
 
 from attncheck import accepted, compile_cache, env, profiles, scheduling, selection, specs
 from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
+from attncheck.report import errormap
 from attncheck.report import records as rec
 
 LOCK_FILE = ".attncheck.lock"
@@ -105,6 +106,7 @@ class GateRun:
         if cache is not None:
             compile_cache.enable(cache)
         self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
+        self.error_maps = errormap.WorstSoFar()  # which of this process' records carry an error map
         self.durations = self._load_durations()
         self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)
         self.test_outcomes: dict[str, list[str]] = collections.defaultdict(list)  # target -> outcomes
@@ -313,13 +315,15 @@ class GateRun:
             unavailable=tuple(selection.unavailable_requests(self.options)),
             skipped_backends=tuple(model.SkippedBackend(*s) for s in selection.skipped_backends(self.options)),
             session_problems=tuple(self._session_problems(session, exitstatus)))
+        floor = self.config.getoption("attncheck_regression_floor")
+        floor = accepted.REGRESSION_FLOOR if floor is None else floor
         report = merge.merge(
             self.report_dir, self.run_id, outcome,
             applicable={s.name: s.class_names for s in specs.all_specs().values()},
             accepted_path=self.accepted_path, require_coverage=self.config.getoption("attncheck_require_coverage"),
-            **({} if self.config.getoption("attncheck_regression_floor") is None
-               else {"regression_floor": self.config.getoption("attncheck_regression_floor")}))
-        render.write(self.report_dir, report)
+            regression_floor=floor)
+        render.write(self.report_dir, report, regression_floor=floor,
+                     accepted=accepted.read(pathlib.Path(self.accepted_path)) if self.accepted_path else None)
         rec.clear_stale_records(self.report_dir, self.run_id)
         self.stop_file.unlink(missing_ok=True)
         scheduling.write(self.report_dir / scheduling.REPORT_FILE, self.seconds)

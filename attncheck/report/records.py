@@ -23,8 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from attncheck.numerics import Comparison
+from attncheck.report.errormap import ErrorMap
 
-SCHEMA_VERSION = 2
+# 3: records may carry an error map.
+SCHEMA_VERSION = 3
 RECORDS_DIR = "records"
 RECORDS_SUFFIX = ".jsonl"
 STARTED_SUFFIX = ".started"
@@ -79,6 +81,9 @@ class Record(CaseRun):
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     metrics: Comparison | None = None
     traceback: str | None = None
+    # Where the error is (attncheck.report.errormap): on failing records and on the worst
+    # passing one so far of its kernel x impl x direction in the writing process.
+    error_map: ErrorMap | None = None
     # Stamped by the writer.
     run_id: str = ""
     worker: str = ""
@@ -104,6 +109,7 @@ class Record(CaseRun):
                 out[f.name] = getattr(self, f.name)
         out["timings"] = dict(self.timings)
         out["metrics"] = None if self.metrics is None else self.metrics.to_json()
+        out["error_map"] = None if self.error_map is None else self.error_map.to_json()
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
@@ -113,6 +119,8 @@ class Record(CaseRun):
         values["classes"] = tuple(values.get("classes", ()))
         if values.get("metrics") is not None:
             values["metrics"] = Comparison.from_json(values["metrics"])
+        if values.get("error_map") is not None:
+            values["error_map"] = ErrorMap.from_json(values["error_map"])
         return cls(**values)
 
     @property
@@ -255,7 +263,10 @@ def read_records(report_dir: pathlib.Path, run_id: str) -> tuple[list[Record], l
                 where = "/".join(str(p) for p in error.absolute_path) or "record"
                 problems.append(f"{path.name}:{lineno}: invalid record ({where}: {error.message[:200]})")
                 continue
-            records.append(Record.from_json(data))
+            try:
+                records.append(Record.from_json(data))
+            except ValueError as exc:  # valid JSON of the schema whose error map does not decode
+                problems.append(f"{path.name}:{lineno}: invalid record ({exc})")
     records.sort(key=lambda r: r.key)
     return records, problems
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from attncheck import coverage
 from attncheck.cases import Case, Params, check_params_type
 from attncheck.coverage import BugClass
+from attncheck.report.errormap import ErrorMapLayout
 
 P = TypeVar("P", bound=Params)
 
@@ -147,6 +148,14 @@ class KernelSpec(abc.ABC, Generic[P]):
     def index_names(self, direction: str) -> tuple[str, ...] | None:
         """Names of the axes of a direction's array, for reproducer messages."""
         return None
+
+    def error_map_layout(self, case: Case[P], direction: str) -> ErrorMapLayout | None:
+        """How a direction's error map is laid out (``attncheck.report.errormap``): the axes
+        shown as rows and columns, and the kernel's block boundaries on them from the
+        case's block sizes (``errormap.every``). Default: the last two axes named by
+        ``index_names``, no boundaries; None (no names): the last two axes, unnamed."""
+        names = self.index_names(direction)
+        return None if names is None else ErrorMapLayout.last_axes(names)
 
     def invalid_calls(self) -> list[InvalidCall]:
         """Calls the implementation must reject with its own clear error (one per

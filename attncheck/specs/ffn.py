@@ -18,6 +18,7 @@ from attncheck import coverage, oracle
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "blockwise_ffn"
@@ -122,7 +123,17 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         return {d: dt for d in ("out", "dx", "dw_in", "db_in", "dw_out", "db_out")}
 
     def index_names(self, direction):
-        return {"out": ("batch", "position", "feature"), "dx": ("batch", "position", "feature")}.get(direction)
+        return {"out": ("batch", "position", "feature"), "dx": ("batch", "position", "feature"),
+                "dw_in": ("feature", "hidden"), "dw_out": ("hidden", "feature"), "db_in": ("hidden",),
+                "db_out": ("feature",)}.get(direction)
+
+    def error_map_layout(self, case, direction):
+        # Positions on the chunks the kernel scans; the weights' gradients sum over every
+        # chunk, so they have no block structure of their own (the default layout).
+        if direction in ("out", "dx"):
+            p = case.params
+            return ErrorMapLayout(self.index_names(direction), 1, 2, (every("chunk", p.chunk_size, p.seq_len),))
+        return super().error_map_layout(case, direction)
 
     def invalid_calls(self):
         return invalid_ffn_calls(self.default_impls["builtin"])

@@ -31,6 +31,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "flash_attention"
@@ -273,6 +274,26 @@ class FlashSpec(KernelSpec[FlashParams]):
 
     def index_names(self, direction):
         return {**ATTENTION_AXES, "dab": BIAS_AXES}.get(direction)
+
+    def error_map_layout(self, case, direction):
+        # Each direction on the blocks of the pass that computes it: out (fwd), dk and dv
+        # (dkv), dq and dab (dq). Under top-left causal masking the other side's blocks meet
+        # the diagonal at the same positions (query i's last key is i, key j's first query
+        # is j): where a causal block skip is off by one, the map breaks there.
+        p = case.params
+        b, q_len, kv_len = p.block_sizes, p.q_len, p.kv_len
+        kv_dkv = (every("block_k_major_dkv", b["block_k_major_dkv"], kv_len),
+                  every("block_k_dkv", b["block_k_dkv"], kv_len))
+        rows = {"out": (every("block_q", b["block_q"], q_len),), "dq": (every("block_q_dq", b["block_q_dq"], q_len),),
+                "dk": kv_dkv, "dv": kv_dkv, "dab": (every("block_q_dq", b["block_q_dq"], q_len),)}[direction]
+        diagonal = {"out": ("block_k_major", q_len), "dq": ("block_k_major_dq", q_len),
+                    "dk": ("block_q_major_dkv", kv_len), "dv": ("block_q_major_dkv", kv_len)}
+        if p.causal and direction in diagonal:
+            name, length = diagonal[direction]
+            rows += (every(f"{name} on the causal diagonal", b[name], length),)
+        cols = ((every("block_k_major_dq", b["block_k_major_dq"], kv_len), every("block_k_dq", b["block_k_dq"], kv_len))
+                if direction == "dab" else ())
+        return ErrorMapLayout(self.index_names(direction), 2, 3, rows, cols)
 
     def invalid_calls(self):
         return invalid_flash_calls(self.default_impls["builtin"])

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
+from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "ragged_paged_attention"
@@ -70,6 +71,12 @@ class RaggedParams(Params):
     def kv_block_pages(self) -> int:
         """Pages per kv block as the kernel picks them when the case leaves it to it."""
         return self.num_kv_pages_per_block or max(1, min(PAGES_PER_SEQ, 128 // self.page_size))
+
+    @property
+    def q_block_tokens(self) -> int:
+        """Query tokens per grid step as the kernel picks them when the case leaves it to
+        it (at most 32, the token count rounded up to 8 sublanes)."""
+        return self.num_queries_per_block or min(32, -(-MAX_TOKENS // 8) * 8)
 
 
 @st.composite
@@ -312,6 +319,16 @@ class RaggedSpec(KernelSpec[RaggedParams]):
 
     def index_names(self, direction):
         return ("token", "q_head", "dim")
+
+    def error_map_layout(self, case, direction):
+        # Tokens x query heads: the q blocks of the grid, where each sequence's tokens end
+        # (a softmax state carried over a sequence boundary shows below it), and which q
+        # heads share a kv head (a GQA mix-up shows as a wrong group).
+        p = case.params
+        ends = tuple(int(e) for e in np.cumsum([q_len for q_len, _ in p.seqs]))
+        return ErrorMapLayout(self.index_names(direction), 0, 1,
+                              (every("q block", p.q_block_tokens, MAX_TOKENS), ("sequence end", ends)),
+                              (every("kv head", p.num_q_heads // p.num_kv_heads, p.num_q_heads),))
 
     def invalid_calls(self):
         return invalid_ragged_calls(self.default_impls["builtin"])

@@ -27,6 +27,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
 
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -204,6 +205,20 @@ class RingSpec(KernelSpec[RingParams]):
 
     def index_names(self, direction):
         return {**ATTENTION_AXES, "dbias": BIAS_AXES}.get(direction)
+
+    def error_map_layout(self, case, direction):
+        # The global sequence cut into each device's shard, and (blockwise ring) the chunks
+        # inside a shard: a wrong ring offset shows as a shard-wide pattern.
+        p = case.params
+
+        def bounds(chunk: str):
+            return (every("device shard", p.per_device, p.seq_len),
+                    every(chunk, getattr(p, chunk, None), p.seq_len))
+
+        if direction == "dbias":
+            return ErrorMapLayout(BIAS_AXES, 2, 3, bounds("query_chunk_size"), bounds("key_chunk_size"))
+        rows = bounds("query_chunk_size" if direction in ("out", "dq") else "key_chunk_size")
+        return ErrorMapLayout(ATTENTION_AXES[direction], 2, 3, rows)
 
     def invalid_calls(self):
         impl = resolve_impl(self.default_impls["builtin"])

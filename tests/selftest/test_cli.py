@@ -56,6 +56,21 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
         assert math.isclose(float(kernel), r["metrics"]["worst_kernel"], rel_tol=1e-6)
         assert math.isclose(float(oracle), r["metrics"]["worst_oracle"], rel_tol=1e-6)
         assert not math.isclose(float(kernel), float(oracle), rel_tol=1e-3)
+        # Then the direction's error map as a text grid (a terminal has no SVG), on the
+        # direction's own axes: the scale is wrong everywhere, so every cell fails, except
+        # under causal masking the first query's: it sees one key, whatever the scale.
+        assert lines[at + 2].strip().startswith(f"{direction}: |kernel - oracle| / allowed over [{axis} x dim], "
+                                                "max over batch, head")
+        end = next(i for i in range(at, len(lines)) if lines[i].strip().startswith("legend:"))
+        grid = [line.split("|")[1] for line in lines[at + 3: end] if re.match(r"\s+\d+ \|", line)]
+        causal_first = r["case"]["params"]["causal"] and direction in ("out", "dq")
+        assert len(grid) == r["case"]["params"]["seq_len"], grid
+        assert all(set(row) <= set("*#%@") for row in grid[causal_first:]), grid
+        assert not causal_first or grid[0] == " " * 4, grid  # exactly the oracle's
+
+    # --maps none: the same verdicts, no grid.
+    proc = toy_spec.cli(gate_dir, *argv[1:], "--maps", "none")
+    assert proc.returncode == 1 and "allowed over [" not in proc.stdout, proc.stdout
 
     # Without the spec module the family is unknown: a clear message, not a KeyError.
     proc = toy_spec.cli(gate_dir, "repro", case_id, "--report", "rep")

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import html.parser
 import json
 import math
 import re
 
 import jax.numpy as jnp
 import jsonschema
+import numpy as np
 import pytest
 
 from attncheck import accepted, check, coverage, numerics
 from attncheck.backends import BACKENDS
-from attncheck.report import merge, model, render
+from attncheck.report import errormap, merge, model, render
 from attncheck.report import records as rec
 from attncheck.report.records import Record
 from tests.selftest import toy_spec
@@ -324,19 +326,161 @@ def _html_records() -> list[Record]:
             + [record("bad", outcome="fail", budget=3.0, reason=f"kernel said {XSS}")])
 
 
-def test_html_is_self_contained_escaped_and_has_three_plots():
-    report = report_of(_html_records(), problems=[f"problem with <b>markup</b> {XSS}"],
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class StrictHTML(html.parser.HTMLParser):
+    """Well-formedness beyond what browsers forgive: every non-void element closed in order
+    (SVG elements self-closed or closed), ids unique, every in-page link has its target,
+    nothing fetched but inline data images."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack, self.ids, self.links, self.errors = [], [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self._attrs(tag, attrs)
+        if tag not in VOID:
+            self.stack.append((tag, self.getpos()))
+
+    def handle_startendtag(self, tag, attrs):
+        self._attrs(tag, attrs)
+
+    def _attrs(self, tag, attrs):
+        names = [name for name, _ in attrs]
+        if len(names) != len(set(names)):
+            self.errors.append(f"duplicate attribute in <{tag}> at {self.getpos()}")
+        for name, value in attrs:
+            if name == "id":
+                self.ids.append(value)
+            if name in ("href", "src"):
+                self.links.append((tag, name, value))
+
+    def handle_endtag(self, tag):
+        if tag in VOID:
+            return
+        if not self.stack or self.stack[-1][0] != tag:
+            self.errors.append(f"</{tag}> at {self.getpos()} closes {self.stack[-1] if self.stack else 'nothing'}")
+            return
+        self.stack.pop()
+
+    def check(self, page: str) -> StrictHTML:
+        self.feed(page)
+        self.close()
+        assert page.startswith("<!doctype html>")
+        assert not self.errors, self.errors[:5]
+        assert not self.stack, f"unclosed: {self.stack[:5]}"
+        assert len(self.ids) == len(set(self.ids)), sorted(i for i in self.ids if self.ids.count(i) > 1)
+        for tag, name, value in self.links:
+            if value.startswith("#"):
+                assert value[1:] in self.ids, f"<{tag} {name}={value}> has no target"
+            else:  # only inline data: nothing is fetched, from the network or from the disk
+                assert tag == "image" and value.startswith("data:image/png;base64,"), (tag, name, value[:60])
+        return self
+
+
+@pytest.mark.parametrize("bad", [
+    "<!doctype html><div><p>x</div></p>", "<!doctype html><div id=a></div><span id=a></span>",
+    "<!doctype html><a href='#nowhere'>x</a>", "<!doctype html><img src='http://x/y.png'>",
+    "<!doctype html><svg><g></svg>", "<!doctype html><table><tr><td>x</tr></table>"])
+def test_the_strict_html_checker_rejects_what_it_should(bad):
+    with pytest.raises(AssertionError):
+        StrictHTML().check(bad)
+    StrictHTML().check("<!doctype html><div id=a><a href='#a'>x</a><svg><line/></svg><br></div>")
+
+
+def _with_maps(records: list[Record]) -> list[Record]:
+    """Real error maps on hand-built records: a block-edge error on the failing ones."""
+    rng = np.random.default_rng(0)
+    out = []
+    for r in records:
+        oracle = rng.standard_normal((1, 2, 64, 8))
+        kernel = oracle + 1e-8 * rng.standard_normal(oracle.shape)
+        if not r.passed:
+            kernel[0, 1, 32] += 1.0
+        layout = errormap.ErrorMapLayout(("batch", "head", "query", "dim"), 2, 3,
+                                         (errormap.every(f"block {XSS}", 16, 64),))
+        emap = errormap.build(kernel, oracle, allowed=1e-6, direction=r.direction, layout=layout)
+        out.append(dataclasses.replace(r, error_map=emap))
+    return out
+
+
+def test_html_is_self_contained_escaped_valid_and_draws_every_plot():
+    records = _with_maps(_html_records())
+    budgets = [accepted.AcceptedBudget("toy_attention", "builtin", "xla", "float32", "out", 0.2)]
+    report = report_of(records, problems=[f"problem with <b>markup</b> {XSS}"],
                        skipped_backends=[model.SkippedBackend("tpu", "no TPU <none>")])
-    page = render.render_html(report)
-    assert page.count("<svg") == 3 and page.count("</svg>") == 3
+    page = render.render_html(report, budgets)
+    checked = StrictHTML().check(page)
+    # The plots: colour scale, overview heatmap, trend, one error-vs-length plot per dtype,
+    # the histogram, error vs devices, the failure's map and the worst passing maps.
+    kinds = re.findall(r'<svg xmlns="http://www.w3.org/2000/svg" class="plot (\w+)"', page)
+    assert page.count("<svg") == page.count("</svg>") == len(kinds)
+    assert sorted(set(kinds)) == ["colorbar", "errormap", "heatmap", "histogram", "scatter", "trend"]
+    assert kinds.count("errormap") == 1 + 2  # the failure, the worst passing of toy_attention and ring_attention
     assert "no data" not in page
     assert set(re.findall(r"https?://[^\s\"'<>]+", page)) == {SVG_NS}
-    assert "<script" not in page.lower()  # neither inline nor <script src=...>
-    assert not re.search(r"<(link|img|iframe|object|embed|image)\b", page) and "@import" not in page
-    assert not re.search(r"\b(src|href)\s*=", page)
+    # One inline script (the copy buttons), nothing fetched.
+    assert page.lower().count("<script") == 1 and "<script>" in page and not re.search(r"<script[^>]*src", page)
+    assert not re.search(r"<(link|img|iframe|object|embed)\b", page) and "@import" not in page
+    assert {tag for tag, _, _ in checked.links} <= {"a", "image"}
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "&lt;b&gt;markup&lt;/b&gt;" in page and "no TPU &lt;none&gt;" in page
-    assert "<b>" not in page
+    assert "<b>" not in page and XSS not in page
+    # Failures first: the failing record's card, with its reproducer and copy button and
+    # the worst element named by the map's axes, comes before the overview.
+    bad = next(r for r in records if not r.passed)
+    assert page.index("id='failures'") < page.index('id="overview"')
+    assert f"data-copy='{bad.repro}'" in page
+    assert "worst element at batch=0, head=1, query=2, dim=3: kernel 0.25 vs oracle 0.2500001" in page
+    # Every overview heatmap cell links to its summary row.
+    rows = [render.row_id(row) for row in report.summary]
+    assert sorted(set(re.findall(r'<a href="#(s-[^"]+)">', page))) == sorted(rows)
+    # The trend: this run's worst budget (the failure's) against the accepted one and its
+    # regression limit (1.5 x the floor 1/3); a group without an accepted budget is new.
+    trend = re.search(r'<svg[^>]*class="plot trend".*?</svg>', page).group(0)
+    assert "toy_attention/builtin xla float32 out: this run 3, accepted 0.2, limit 0.5</title>" in trend
+    assert "ring_attention/builtin xla float32 out: this run 0.5, new</title>" in trend
+
+
+def test_html_log_axes_show_exact_zeros_apart():
+    records = [record("z0", max_abs=0.0, budget=0.0), record("z1", max_abs=1e-6), record("z2", max_abs=1e-5)]
+    page = render.render_html(report_of(records))
+    scatter = re.search(r'<svg[^>]*class="plot scatter".*?</svg>', page).group(0)
+    # Decades 1e-6 .. 1e-5 on the axis (not 1e-24 because of the zero), zeros in their band.
+    labels = re.findall(r'text-anchor="end">([^<]+)</text>', scatter)
+    assert "exact 0" in labels and "1e-6" in labels and "1e-5" in labels
+    assert not any(re.fullmatch(r"1e-(\d+)", t) and int(t[3:]) > 6 for t in labels), labels
+    # A tiny nonzero error does not stretch the axis either: at most MAX_DECADES below the
+    # top, the rest marked on the bottom edge.
+    page = render.render_html(report_of(records + [record("z3", max_abs=1e-24)]))
+    scatter = re.search(r'<svg[^>]*class="plot scatter".*?</svg>', page).group(0)
+    labels = re.findall(r'text-anchor="end">([^<]+)</text>', scatter)
+    assert "1e-15" in labels and not any(re.fullmatch(r"1e-(\d+)", t) and int(t[3:]) > 15 for t in labels)
+    assert "below 1e-15" in scatter and scatter.count('<path class="pt"') == 1
+
+
+def test_report_json_keeps_the_whole_report_with_one_record_per_line(tmp_path):
+    report = report_of(_with_maps(_html_records()))
+    text = render.dump_json(report)
+    assert _strict_json(text) == json.loads(json.dumps(report.to_json()))
+    lines = text.splitlines()
+    assert sum(line.startswith('{"backend": ') for line in lines) == report.totals.records
+    REPORT_VALIDATOR.validate(_strict_json(text))
+    empty = report_of([])
+    assert _strict_json(render.dump_json(empty)) == json.loads(json.dumps(empty.to_json()))
+
+
+def test_a_record_whose_error_map_does_not_decode_is_a_gate_problem(tmp_path):
+    _write(tmp_path, _with_maps([record("c0"), record("c1")]))
+    path = tmp_path / rec.RECORDS_DIR / f"{RUN_ID}-gw0.jsonl"
+    first, second = path.read_text().splitlines()
+    broken = json.loads(second)
+    broken["error_map"]["cells"][2] = "AAAA"  # base64 of three zero bytes: no zlib stream
+    path.write_text(first + "\n" + json.dumps(broken) + "\n")
+    report = merged(tmp_path)
+    assert report.totals.records == 1 and report.verdict == model.FAIL
+    assert any(":2: invalid record (error map cells do not decode" in p for p in report.problems), report.problems
 
 
 def _write(directory, records: list[Record]) -> None:
@@ -356,7 +500,7 @@ def test_reports_are_written_and_appended_to_the_step_summary(tmp_path, monkeypa
     assert summary.read_text() == "earlier step\n" + markdown  # appended once, not overwritten
     assert markdown.startswith("# attncheck: FAIL") and report.totals.records == 17
     REPORT_VALIDATOR.validate(_strict_json((report_dir / "report.json").read_text()))
-    assert (report_dir / "report.html").read_text().count("<svg") == 3
+    StrictHTML().check((report_dir / "report.html").read_text())
     monkeypatch.delenv("GITHUB_STEP_SUMMARY")
     merged(report_dir)
     assert summary.read_text() == "earlier step\n" + markdown  # unset: nothing appended

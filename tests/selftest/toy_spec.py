@@ -14,6 +14,8 @@ Implementations (all with the family's calling convention):
 - ``toy_attention_lse``: a second correct formulation, exp(logits - logsumexp) (impl ``lse``);
 - ``toy_attention_chunked``: a third, online softmax over two key chunks (impl ``chunked``);
 - ``toy_attention_wrong_scale``: applies sm_scale twice (the gate must FAIL it);
+- ``toy_attention_chunk_edge``: never attends to the key at the boundary of the two key
+  chunks (a planted block-edge bug: its error map lights up at the chunk boundary);
 - ``toy_attention_mixed``: wrong on causal cases only: a run yields pass records, then the
   fail records of the first causal case;
 - ``toy_attention_crash``: raises ValueError (error records);
@@ -45,6 +47,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "toy_attention"
@@ -111,6 +114,14 @@ def toy_attention_chunked(q, k, v, *, causal: bool, sm_scale: float):
             acc, denom = acc * alpha + pv, denom * alpha + p_sum
         m = m_new
     return (acc / denom).astype(q.dtype)
+
+
+def toy_attention_chunk_edge(q, k, v, *, causal: bool, sm_scale: float):
+    """The second key chunk starts one key late, so the key at the chunk boundary is never
+    attended to (an off-by-one in a block's start offset)."""
+    _validate(q, k, v)
+    s = _logits(q, k, causal, sm_scale)
+    return _weighted(jax.nn.softmax(s.at[..., s.shape[-1] // 2].set(_MASKED_LOGIT), axis=-1), v, q.dtype)
 
 
 def toy_attention_wrong_scale(q, k, v, *, causal: bool, sm_scale: float):
@@ -238,6 +249,12 @@ class ToySpec(KernelSpec[ToyParams]):
     def index_names(self, direction):
         return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
                 "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}.get(direction)
+
+    def error_map_layout(self, case, direction):
+        # The chunked implementation's two key chunks, on the key axis of dk and dv.
+        p = case.params
+        keys = (every("key chunk", p.seq_len // 2, p.seq_len),) if direction in ("dk", "dv") else ()
+        return ErrorMapLayout(self.index_names(direction), 2, 3, keys)
 
     def invalid_calls(self):
         return invalid_toy_calls()
