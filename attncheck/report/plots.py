@@ -11,6 +11,7 @@ drawing with it 15x longer, and it would be a new dependency of ~40 MB.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import math
 import struct
@@ -329,24 +330,36 @@ def _is_dark(fill: str) -> bool:
     return 0.299 * r + 0.587 * g + 0.114 * b < 120
 
 
-def trend(title: str, groups: Sequence[tuple[str, float | None, float, float | None]], *,
-          width: int = 760) -> str:
-    """Worst budget of this run against the accepted one, one row per group
-    (label, accepted or None, now, regression limit or None), on a log axis with an
-    "exact 0" column: the arrow points from accepted to now, red past the limit."""
-    if not groups:
+@dataclasses.dataclass(frozen=True)
+class TrendRow:
+    """One group on the trend chart: this run's worst budget, the accepted one and its
+    regression limit (None for a new group), and earlier runs' as (run id, budget)."""
+
+    label: str
+    now: float
+    accepted: float | None = None
+    limit: float | None = None
+    earlier: tuple[tuple[str, float], ...] = ()
+
+
+def trend(title: str, rows: Sequence[TrendRow], *, width: int = 760) -> str:
+    """Worst budgets on a log axis with an "exact 0" column, one row per group: earlier
+    runs as hollow grey rings (darker the more recent), the accepted budget as a grey dot
+    with a line to this run's dot (red past the regression limit or the tolerance), and
+    the limit as a red tick."""
+    if not rows:
         return no_data(title)
-    label_w = 8 + 6.4 * max(len(g[0]) for g in groups)
+    label_w = 8 + 6.4 * max(len(r.label) for r in rows)
     top, row_h, bottom = 58, 15, 36
     zero_w = 64
     plot_x0 = label_w + zero_w
     plot_w = width - plot_x0 - 20
-    height = top + row_h * len(groups) + bottom
-    values = [v for g in groups for v in (g[1], g[2], g[3]) if v is not None]
+    height = top + row_h * len(rows) + bottom
+    values = [v for r in rows for v in (r.accepted, r.now, r.limit, *(b for _, b in r.earlier)) if v is not None]
     lo, hi = _log_range(values + [1.0])
     sx = Scale("log10", lo, hi, plot_x0, plot_x0 + plot_w)
     out = _svg_open(width, height, title, "trend")
-    bottom_y = top + row_h * len(groups)
+    bottom_y = top + row_h * len(rows)
     for value, label in sx.ticks():
         x = sx(value)
         out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom_y}" stroke="#e3e3e3"/>'
@@ -359,31 +372,39 @@ def trend(title: str, groups: Sequence[tuple[str, float | None, float, float | N
     out.append(f'<line x1="{x_one:.1f}" x2="{x_one:.1f}" y1="{top - 4}" y2="{bottom_y}" stroke="#d62728" '
                f'stroke-dasharray="4"/><text x="{x_one - 3:.1f}" y="{top - 6}" font-size="10" fill="#d62728" '
                f'text-anchor="end">1 = tolerance</text>')
+    runs = max(len(r.earlier) for r in rows)
     out.append(f'<text x="{plot_x0}" y="34" font-size="10">'
-               f'<tspan fill="#888">&#9679; accepted budget</tspan>  '
+               + (f'<tspan fill="#777">&#9675; earlier runs ({runs})</tspan>  ' if runs else "")
+               + '<tspan fill="#888">&#9679; accepted budget</tspan>  '
                '<tspan fill="#1f77b4">&#9679; this run</tspan>  '
                '<tspan fill="#d62728">| regression limit</tspan></text>')
 
     def px(v: float) -> float:
+        if not math.isfinite(v):
+            return sx(hi)
         return zero_x if v <= 0 else sx(v)
 
-    for i, (label, accepted, now, limit) in enumerate(groups):
+    for i, r in enumerate(rows):
         y = top + row_h * i + row_h / 2
-        regressed = limit is not None and now > limit
-        color = "#d62728" if regressed or now > 1 else "#1f77b4"
+        color = "#d62728" if (r.limit is not None and r.now > r.limit) or r.now > 1 else "#1f77b4"
         out.append(f'<text x="{label_w - 4:.1f}" y="{y + 3.5:.1f}" font-size="10" text-anchor="end">'
-                   f'{esc(label)}</text>')
-        if accepted is not None:
-            out.append(f'<line x1="{px(accepted):.1f}" x2="{px(now):.1f}" y1="{y:.1f}" y2="{y:.1f}" stroke="{color}" '
-                       f'stroke-opacity="0.5" stroke-width="2"/><circle cx="{px(accepted):.1f}" cy="{y:.1f}" r="3.5" '
-                       f'fill="#888"><title>{esc(label)}: accepted {accepted:.3g}</title></circle>')
-        if limit is not None and math.isfinite(limit):
-            out.append(f'<line x1="{px(limit):.1f}" x2="{px(limit):.1f}" y1="{y - 5:.1f}" y2="{y + 5:.1f}" '
+                   f'{esc(r.label)}</text>')
+        for n, (run_id, budget) in enumerate(r.earlier):
+            opacity = 0.25 + 0.6 * (n + 1) / len(r.earlier)
+            out.append(f'<circle class="past" cx="{px(budget):.1f}" cy="{y:.1f}" r="3" fill="none" stroke="#555" '
+                       f'stroke-opacity="{opacity:.2f}"><title>{esc(r.label)}: run {esc(run_id)} {budget:.3g}'
+                       "</title></circle>")
+        if r.accepted is not None:
+            out.append(f'<line x1="{px(r.accepted):.1f}" x2="{px(r.now):.1f}" y1="{y:.1f}" y2="{y:.1f}" '
+                       f'stroke="{color}" stroke-opacity="0.5" stroke-width="2"/>'
+                       f'<circle cx="{px(r.accepted):.1f}" cy="{y:.1f}" r="3.5" fill="#888">'
+                       f"<title>{esc(r.label)}: accepted {r.accepted:.3g}</title></circle>")
+        if r.limit is not None and math.isfinite(r.limit):
+            out.append(f'<line x1="{px(r.limit):.1f}" x2="{px(r.limit):.1f}" y1="{y - 5:.1f}" y2="{y + 5:.1f}" '
                        'stroke="#d62728"/>')
-        shown = now if math.isfinite(now) else hi
-        out.append(f'<circle class="pt" cx="{px(shown):.1f}" cy="{y:.1f}" r="4" fill="{color}"><title>{esc(label)}: '
-                   f'this run {now:.3g}' + (f", accepted {accepted:.3g}" if accepted is not None else ", new")
-                   + (f", limit {limit:.3g}" if limit is not None else "") + "</title></circle>")
+        out.append(f'<circle class="pt" cx="{px(r.now):.1f}" cy="{y:.1f}" r="4" fill="{color}"><title>{esc(r.label)}: '
+                   f"this run {r.now:.3g}" + (f", accepted {r.accepted:.3g}" if r.accepted is not None else ", new")
+                   + (f", limit {r.limit:.3g}" if r.limit is not None else "") + "</title></circle>")
     out.append(f'<text x="{plot_x0 + plot_w / 2:.1f}" y="{height - 6}" font-size="11" text-anchor="middle">'
                "worst budget (error / allowed)</text></svg>")
     return "".join(out)

@@ -13,7 +13,7 @@ import tempfile
 from collections import defaultdict
 
 from attncheck import accepted as acc
-from attncheck.report import plots
+from attncheck.report import history, plots
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.model import PASS, Report, SummaryRow
 from attncheck.report.records import Record
@@ -23,14 +23,19 @@ REPORT_FILES = ("report.json", "report.md", "report.html")
 
 def write(directory: pathlib.Path, report: Report, *, accepted: list[acc.AcceptedBudget] | None = None,
           regression_floor: float = acc.REGRESSION_FLOOR) -> None:
-    """Write every report file (each whole, then renamed: a reader never sees half a file)
-    and append the Markdown to $GITHUB_STEP_SUMMARY when set and the run is final.
-    ``accepted``: the accepted budgets the run was judged against (the HTML's trend)."""
+    """Write every report file (each whole, then renamed: a reader never sees half a file),
+    record a complete run in the directory's budget history, and append the Markdown to
+    $GITHUB_STEP_SUMMARY when set and the run is final. ``accepted``: the accepted budgets
+    the run was judged against (the HTML's trend)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(report)
+    earlier = history.read(directory)
     texts = {"report.json": dump_json(report), "report.md": markdown,
-             "report.html": render_html(report, accepted, regression_floor)}
+             "report.html": render_html(report, accepted, regression_floor,
+                                        [e for e in earlier if e.run_id != report.run_id])}
+    if (entries := history.updated(earlier, report)) is not None:
+        texts[history.HISTORY_FILE] = history.dumps(entries)
     umask = os.umask(0)
     os.umask(umask)
     for name, text in texts.items():
@@ -267,26 +272,34 @@ def _overview_heatmap(report: Report) -> str:
                          row_groups=[g[0] for g in groups])
 
 
-def _trend(report: Report, accepted: list[acc.AcceptedBudget] | None, floor: float) -> str:
-    if accepted is None:
+def _trend(report: Report, accepted: list[acc.AcceptedBudget] | None, floor: float,
+           earlier: list[history.Entry]) -> str:
+    if accepted is None and not earlier:
         return ("<p class='nodata'>Budget trend: no accepted budgets given (<code>--attncheck-accepted-budgets</code>, "
-                "or <code>attncheck report --accepted-budgets</code>).</p>")
+                "or <code>attncheck report --accepted-budgets</code>) and no earlier run recorded in this report "
+                f"directory (<code>{history.HISTORY_FILE}</code>).</p>")
     numeric = _numeric_groups(report)
     rows = [row for row in report.summary if (row.kernel, row.impl, row.backend, row.direction) in numeric]
-    groups = [(f"{s.row.kernel}/{s.row.impl} {s.row.backend} {s.row.dtype} {s.row.direction}", s.accepted,
-               s.row.worst_budget, s.limit) for s in acc.standings(rows, accepted, floor)]
+    trend_rows = [plots.TrendRow(f"{s.row.kernel}/{s.row.impl} {s.row.backend} {s.row.dtype} {s.row.direction}",
+                                 s.row.worst_budget, s.accepted, s.limit,
+                                 tuple((e.run_id, e.budgets[key]) for e in earlier
+                                       if (key := history.group_key(s.row)) in e.budgets))
+                  for s in acc.standings(rows, accepted or [], floor)]
     # The closest to (or furthest past) their regression limit first.
-    groups.sort(key=lambda g: -(g[2] / g[3] if g[3] else g[2]))
-    more = len(groups) - MAX_TREND_ROWS
-    chart = plots.trend("worst budget: this run against the accepted budgets", groups[:MAX_TREND_ROWS])
+    trend_rows.sort(key=lambda r: -(r.now / r.limit if r.limit else r.now))
+    more = len(trend_rows) - MAX_TREND_ROWS
+    against = " and ".join(filter(None, ("the accepted budgets" if accepted is not None else "",
+                                         f"the last {len(earlier)} runs" if earlier else "")))
+    chart = plots.trend(f"worst budget: this run against {against}", trend_rows[:MAX_TREND_ROWS])
     return chart + (f"<p class='note'>{more} more groups, further from their limits, in the summary table.</p>"
                     if more > 0 else "")
 
 
 def render_html(report: Report, accepted: list[acc.AcceptedBudget] | None = None,
-                floor: float = acc.REGRESSION_FLOOR) -> str:
+                floor: float = acc.REGRESSION_FLOOR, earlier: list[history.Entry] = ()) -> str:
     """report.html: one self-contained file (inline SVG and CSS, a few lines of script for
-    the copy buttons; nothing loaded from the network or the disk)."""
+    the copy buttons; nothing loaded from the network or the disk). ``earlier``: the budget
+    history of earlier runs, for the trend."""
     esc = html.escape
     numeric = [r for r in report.records if r.metrics is not None]
     # Error vs length: one plot per dtype (errors of f32 and bf16 differ by orders of
@@ -374,7 +387,7 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 <h2 id="overview">Overview</h2>
 {plots.colorbar()}
 <div class="plots"><figure>{_overview_heatmap(report)}</figure></div>
-{_trend(report, accepted, floor)}
+{_trend(report, accepted, floor, list(earlier))}
 <div class="plots">
 {length_plots}
 {histogram}

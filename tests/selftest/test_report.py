@@ -18,7 +18,7 @@ import pytest
 
 from attncheck import accepted, check, coverage, numerics
 from attncheck.backends import BACKENDS
-from attncheck.report import errormap, merge, model, render
+from attncheck.report import errormap, history, merge, model, render
 from attncheck.report import records as rec
 from attncheck.report.records import Record
 from tests.selftest import toy_spec
@@ -576,3 +576,29 @@ def test_cleanup_never_removes_a_live_runs_records(tmp_path):
     os.utime(live, (time.time() - 600,) * 2)  # a burst ten minutes ago
     rec.clear_stale_records(tmp_path, "mine")
     assert sorted(p.name for p in records.iterdir()) == ["live-gw0.jsonl", "mine-gw0.jsonl"]
+
+
+def test_the_budget_history_of_a_report_directory_feeds_the_trend(tmp_path, monkeypatch):
+    """Each complete run written to a directory adds its worst budgets to the history (a
+    re-merge of the same run replaces its line, an interrupted run adds none, the file keeps
+    the last MAX_RUNS); the trend draws the earlier runs, never this one."""
+    runs = [(f"2026010{i}T0000001234", budget) for i, budget in enumerate((0.1, 0.2, 0.3, 0.4))]
+    for run_id, budget in runs[:3]:
+        render.write(tmp_path, report_of([record("c0", budget=budget)], run_id=run_id))
+    render.write(tmp_path, report_of([record("c0", budget=0.3)], run_id=runs[2][0]))  # merged again
+    render.write(tmp_path, report_of([record("c0", budget=0.9)], run_id="interrupted", complete=False))
+    entries = history.read(tmp_path)
+    assert [(e.run_id, e.budgets["toy_attention/builtin/xla/float32/out"]) for e in entries] == runs[:3]
+    with open(tmp_path / history.HISTORY_FILE, "a", encoding="utf-8") as fh:
+        fh.write('{"run_id": "torn line"\n')  # never a verdict's business: left out of the chart
+    run_id, budget = runs[3]
+    for _ in range(2):  # written by its run, then merged again (attncheck report): never its own past
+        render.write(tmp_path, report_of([record("c0", budget=budget)], run_id=run_id))
+        trend = re.search(r'<svg[^>]*class="plot trend".*?</svg>', (tmp_path / "report.html").read_text()).group(0)
+        drawn = re.findall(r'<circle class="past"[^>]*><title>[^<]*: run (\S+) ([\d.]+)</title>', trend)
+        assert drawn == [(r, f"{b:.3g}") for r, b in runs[:3]]  # earlier runs only, oldest first
+        assert "against the last 3 runs" in trend and "this run 0.4, new" in trend
+    assert [e.run_id for e in history.read(tmp_path)] == [r for r, _ in runs]
+    monkeypatch.setattr(history, "MAX_RUNS", 2)
+    render.write(tmp_path, report_of([record("c0")], run_id="20260109T0000001234"))
+    assert [e.run_id for e in history.read(tmp_path)] == [runs[3][0], "20260109T0000001234"]
