@@ -227,13 +227,26 @@ def clear_stale_records(report_dir: pathlib.Path, run_id: str) -> None:
 
 
 # ------------------------------------------------------------------ reading
+def _inline_refs(node, defs: Mapping[str, Any]):
+    """The schema with every local ``$ref`` replaced by its definition (the record schema
+    has no recursion). Same verdicts; resolving references was 40% of validating a full
+    gate's records (2.5 s of CPU for 1341 records as written, 1.4 s inlined)."""
+    if isinstance(node, dict):
+        if set(node) == {"$ref"} and node["$ref"].startswith("#/$defs/"):
+            return _inline_refs(defs[node["$ref"].removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
 @functools.cache
 def _validator():
     import jsonschema
 
     schema = json.loads((pathlib.Path(__file__).parent / "schema.json").read_text())
-    return jsonschema.Draft202012Validator(
-        {"$schema": schema["$schema"], "$defs": schema["$defs"], "$ref": "#/$defs/record"})
+    return jsonschema.Draft202012Validator({"$schema": schema["$schema"],
+                                            **_inline_refs(schema["$defs"]["record"], schema["$defs"])})
 
 
 def _lines(path: pathlib.Path, problems: list[str]):

@@ -163,6 +163,10 @@ def test_schema_follows_the_code():
     REPORT_VALIDATOR.validate(model.placeholder(RUN_ID).to_json())
 
 
+def _map_json() -> dict:
+    return errormap.build(np.ones((2, 2)), np.ones((2, 2)), allowed=1.0, direction="out").to_json()
+
+
 MALFORMED = {
     "unknown outcome": lambda r: r.update(outcome="ok"),
     "no nodeid": lambda r: r.pop("nodeid"),
@@ -178,6 +182,8 @@ MALFORMED = {
     "negative timing": lambda r: r["timings"].update(kernel_s=-1.0),
     "future schema version": lambda r: r.update(schema_version=rec.SCHEMA_VERSION + 1),
     "undeclared field": lambda r: r.update(undeclared=True),
+    "error map of another version": lambda r: r.update(error_map={**_map_json(), "version": 2}),
+    "error map cells not base64": lambda r: r.update(error_map={**_map_json(), "cells": [2, 2, "not base64!"]}),
 }
 
 
@@ -185,9 +191,12 @@ MALFORMED = {
 def test_schema_rejects_malformed_records(mutation):
     good = record().to_json()
     RECORD_VALIDATOR.validate(good)
+    assert next(rec._validator().iter_errors(good), None) is None
     MALFORMED[mutation](good)
     with pytest.raises(jsonschema.ValidationError):
         RECORD_VALIDATOR.validate(good)
+    # The merge's own validator (references inlined for speed) says the same.
+    assert next(rec._validator().iter_errors(good), None) is not None
 
 
 # ---------------------------------------------------------------------- merge functions
