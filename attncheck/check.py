@@ -197,9 +197,9 @@ def with_error_map(record: Record, spec: KernelSpec, case: Case, got, truth: np.
         emap = errormap.build(got, truth, allowed=record.metrics.allowed, direction=record.direction,
                               layout=spec.error_map_layout(case, record.direction), care=care)
     except Exception as exc:  # noqa: BLE001 - a spec whose layout does not fit its arrays: say so
-        return dataclasses.replace(record, outcome="error", reason=f"error map of {record.direction}: {error_text(exc)} "
-                                   f"(the spec's error_map_layout does not fit); {record.reason}",
-                                   traceback=traceback.format_exc(limit=8))
+        reason = (f"error map of {record.direction}: {error_text(exc)} (the spec's error_map_layout does not fit); "
+                  f"{record.reason}")
+        return dataclasses.replace(record, outcome="error", reason=reason, traceback=traceback.format_exc(limit=8))
     seconds = time.perf_counter() - start
     timings = dict(record.timings, compare_s=record.timings.get("compare_s", 0.0) + seconds, error_map_s=seconds)
     return dataclasses.replace(record, error_map=emap, timings=timings)
