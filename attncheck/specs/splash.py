@@ -215,7 +215,7 @@ def block_sizes(draw, q_len: int, kv_len: int, fused: bool) -> tuple[tuple[str, 
 def splash_cases(draw) -> Case[SplashParams]:
     api, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim = draw(st.sampled_from(SHAPES))
     head_shards, q_seq_shards = draw(st.sampled_from(((1, 1), (2, 1), (1, 2))))
-    if q_len // q_seq_shards < NUM_LANES:
+    if q_len // q_seq_shards < NUM_LANES:  # a q shard holds whole q blocks of a lane multiple
         q_seq_shards = 1
     if draw(st.booleans()):  # a different mask per head
         masks = tuple(draw(mask_descriptions(q_len, kv_len)) for _ in range(heads))
