@@ -20,6 +20,7 @@ import numpy as np
 from attncheck import numerics
 from attncheck.backends import Backend
 from attncheck.cases import Case
+from attncheck.compiled import impl_origin
 from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record
 from attncheck.specs.base import KernelSpec
@@ -48,7 +49,7 @@ class Target:
 
     @property
     def impl_ref(self) -> str:
-        return f"{self.impl.__module__}:{self.impl.__qualname__}"
+        return ":".join(map(str, impl_origin(self.impl)))
 
 
 @dataclasses.dataclass(frozen=True)

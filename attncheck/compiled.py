@@ -8,6 +8,9 @@ configuration reuses one executable. A spec names what forces a new program in i
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -16,9 +19,29 @@ import jax
 _COMPILED: dict[Hashable, Callable] = {}
 
 
+def impl_origin(impl: Callable) -> tuple[str | None, str | None]:
+    """(module, name) of an implementation: where its convention's helper types live, and
+    the "module:name" that finds it again. A ``functools.partial`` (jax's
+    ``make_splash_mha`` is one) has neither attribute: its module is its function's, its
+    name the attribute of that module bound to it."""
+    if not isinstance(impl, functools.partial):
+        return getattr(impl, "__module__", None), getattr(impl, "__qualname__", None)
+    func = impl
+    while isinstance(func, functools.partial):
+        func = func.func
+    module = func.__module__
+    name = next((n for n, v in vars(sys.modules[module]).items() if v is impl), repr(impl))
+    return module, name
+
+
+def impl_module(impl: Callable) -> types.ModuleType:
+    """The module an implementation comes from (its convention's SegmentIds, BlockSizes, ...)."""
+    return sys.modules[impl_origin(impl)[0]]
+
+
 def impl_key(impl: Callable) -> tuple[str | None, str | None]:
     """What identifies an implementation in a cache key."""
-    return getattr(impl, "__module__", None), getattr(impl, "__qualname__", None)
+    return impl_origin(impl)
 
 
 def compiled(key: Hashable, build: Callable[[], Callable]) -> Callable:

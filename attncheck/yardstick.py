@@ -34,8 +34,9 @@ import numpy as np
 _MASKED_LOGIT = -1e30
 
 
-def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_segment_ids=None):
-    """[B|1, 1, Q, K] bool: key j visible to query i (positions [Q] or [B, Q])."""
+def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
+    """[B|1, H|1, Q, K] bool: key j visible to query i (positions [Q] or [B, Q], segment ids
+    [B|1, L]); ``mask``, an explicit bool [B|1, H|1, Q, K] (per-head masks), is ANDed in."""
     q_pos = np.asarray(q_pos)[..., :, None]
     kv_pos = np.asarray(kv_pos)[..., None, :]
     visible = np.ones(np.broadcast_shapes(q_pos.shape, kv_pos.shape), dtype=bool)
@@ -46,7 +47,7 @@ def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_seg
     if q_segment_ids is not None:
         visible = visible & (np.asarray(q_segment_ids)[:, :, None] == np.asarray(kv_segment_ids)[:, None, :])
     visible = visible.reshape((-1,) + visible.shape[-2:]) if visible.ndim == 3 else visible[None]
-    return visible[:, None]
+    return visible[:, None] if mask is None else visible[:, None] & np.asarray(mask, dtype=bool)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

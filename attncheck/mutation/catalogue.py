@@ -423,9 +423,68 @@ RING_MUTANTS = [
            bug_class="fully_masked_row_nan"),
 ]
 
+# ---------------------------------------------------------------- splash attention (jax's, installed)
+# Planted in a copy of jax's kernel module; the gate runs the copy's make_splash_mha.
+SPLASH_KERNEL = "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel"
+
+
+def _splash(id_, find, replace, description, bug_class):
+    return Mutant(id_, "splash_attention", None, find=find, replace=replace, description=description,
+                  bug_class=bug_class, module=SPLASH_KERNEL, impl="make_splash_mha")
+
+
+# The forward's k and v index maps (the dq kernel's differ in their signature).
+_SPLASH_FWD_KV_MAPS = ("    prefix = () if is_mqa else (_div(h, q_heads_per_kv_head),)\n"
+                       "    return from_head_minor((*prefix, next_j, 0), k_layout)\n\n"
+                       "  v_layout = block_sizes.v_layout\n"
+                       "  def v_index_map(h, i, j, data_next_ref, block_mask_ref, mask_next_ref=None):\n"
+                       "    next_j, *_ = _next_nonzero(\n"
+                       "        h, i, j, data_next_ref, block_mask_ref, mask_next_ref\n"
+                       "    )\n"
+                       "    prefix = () if is_mqa else (_div(h, q_heads_per_kv_head),)\n")
+
+SPLASH_MUTANTS = [
+    _splash("splash-l-alpha-missing",
+            "    l_next = l_curr + alpha * l_prev\n", "    l_next = l_curr + l_prev\n",
+            "forward softmax denominator not rescaled by alpha when the running max rises", "missing_alpha_rescale"),
+    _splash("splash-k-offset-grid-index",
+            "        k_offset=global_kv_index * bkv + kv_compute_index * bkv_compute,\n",
+            "        k_offset=j * bkv + kv_compute_index * bkv_compute,\n",
+            "in-kernel mask placed at the grid's kv index instead of data_next's (wrong on a shrunk grid)",
+            "shrunk_grid_offset"),
+    _splash("splash-gqa-interleaved", _SPLASH_FWD_KV_MAPS,
+            _SPLASH_FWD_KV_MAPS.replace("_div(h, q_heads_per_kv_head)", "lax.rem(h, num_kv_heads)"),
+            "forward reads kv head h % Hkv (interleaved) instead of h // (H / Hkv) (grouped)", "gqa_head_mapping"),
+    _splash("splash-dkv-gqa-reinit",
+            "    should_initialize = jnp.logical_and(\n        should_initialize, q_head_index_per_kv_head == 0\n    )\n",
+            "",
+            "dk/dv scratch zeroed for every query head of a kv group: only the group's last head is summed",
+            "gqa_accumulation_reset"),
+    _splash("splash-full-block-masked",
+            "        jnp.bitwise_or(mask, jnp.broadcast_to(should_not_mask, mask.shape))\n", "        mask\n",
+            "a full block applies whatever partial mask block is loaded (should_not_mask ignored)",
+            "mask_block_mixup"),
+    _splash("splash-soft-cap-after-mask",
+            "    qk = cap_logits(qk)\n    qk = jnp.where(mask, qk, mask_value)\n",
+            "    qk = jnp.where(mask, qk, mask_value)\n    qk = cap_logits(qk)\n",
+            "soft cap applied after masking: masked logits become -cap, not excluded", "soft_cap_order"),
+    _splash("splash-dkv-soft-cap-derivative",
+            "      g = ds * (1 - d)\n      ds = g + g * d\n    dk_dims",
+            "      ds = ds * (1 - d)\n    dk_dims",
+            "dk (and the fused dq) use 1 - tanh instead of 1 - tanh^2 as the soft cap's derivative",
+            "soft_cap_derivative"),
+    _splash("splash-dq-di-missing",
+            "        do.astype(v.dtype), v, dp_dims, preferred_element_type=jnp.float32,\n    )\n"
+            "    ds = (dp - di) * p\n",
+            "        do.astype(v.dtype), v, dp_dims, preferred_element_type=jnp.float32,\n    )\n"
+            "    ds = dp * p\n",
+            "dq kernel drops rowsum(dO * O) from dS", "softmax_bwd_delta_missing"),
+]
+
 CATALOGUE: list[Mutant] = [
     *FLASH_MASKING, *FLASH_SCALE, *FLASH_SOFTMAX, *FLASH_BLOCKS, *FLASH_STATE,
     *RAGGED_MASKING, *RAGGED_VALUES, *RAGGED_SOFTMAX, *RAGGED_DMA,
     *FFN_MUTANTS,
     *RING_MUTANTS,
+    *SPLASH_MUTANTS,
 ]

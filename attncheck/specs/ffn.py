@@ -7,7 +7,6 @@ output and for the gradients of x and every weight.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 from attncheck import coverage, oracle
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
-from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
@@ -142,7 +141,7 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
 def _convention(impl):
     """The position-wise FFN and params container that go with an implementation: its
     module's own ``feed_forward``/``FeedForwardParams`` when it has them, else ours."""
-    module = sys.modules[impl.__module__]
+    module = impl_module(impl)
     if hasattr(module, "feed_forward") and hasattr(module, "FeedForwardParams"):
         return module.feed_forward, module.FeedForwardParams
     return _dense_ffn, lambda *params: tuple(params)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from hypothesis import strategies as st
 from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
-from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
 
@@ -218,7 +217,7 @@ class FlashSpec(KernelSpec[FlashParams]):
 
     # ------------------------------------------------------------------ running
     def _call(self, impl, p: FlashParams):
-        module = sys.modules[impl.__module__]  # SegmentIds/BlockSizes of the implementation's convention
+        module = impl_module(impl)  # SegmentIds/BlockSizes of the implementation's convention
 
         def forward(q, k, v, ab, q_seg, kv_seg):
             segment_ids = module.SegmentIds(q=q_seg, kv=kv_seg) if q_seg is not None else None
@@ -308,7 +307,7 @@ def _operands(inputs):
 
 def invalid_flash_calls(ref: str) -> list[InvalidCall]:
     impl = resolve_impl(ref)
-    module = sys.modules[impl.__module__]
+    module = impl_module(impl)
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128
     q = jnp.zeros((b, h, s, d), f32)
