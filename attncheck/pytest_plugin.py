@@ -55,8 +55,9 @@ def pytest_addoption(parser):
                     help="budgets below this never count as a regression (default: 1/3, the measured "
                          "run-to-run spread of worst cases)")
     group.addoption("--attncheck-compile-cache", default=None, metavar="DIR",
-                    help="persistent XLA compilation cache shared by all workers and runs (default: "
-                         "$JAX_COMPILATION_CACHE_DIR, else none: see attncheck/compile_cache.py)")
+                    help="persistent XLA compilation cache shared by all workers and runs, 'none' for "
+                         "none (default: xla/ under $ATTNCHECK_CACHE_DIR, else under .attncheck_cache; "
+                         "see attncheck/compile_cache.py)")
     group.addoption("--attncheck-durations", default=None, metavar="PATH",
                     help="test durations of an earlier run (relative to the project root): tests run "
                          f"longest first (default: {scheduling.DEFAULT_FILE})")

@@ -101,9 +101,7 @@ class GateRun:
         if config.getoption("timeout", None) is None and not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
             config.option.timeout_method = "signal"
-        cache = compile_cache.resolve(config.getoption("attncheck_compile_cache"))
-        if cache is not None:
-            compile_cache.enable(cache)
+        compile_cache.configure(compile_cache.resolve(config.getoption("attncheck_compile_cache")))
         self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
         self.durations = self._load_durations()
         self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)

@@ -25,7 +25,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-from attncheck.coverage import CACHE_ENV, cache_root_setting
+from attncheck import cache_root
 from attncheck.mutation.mutant import PROJECT_ROOT, CatalogueError, Mutant, apply, mutated_source
 
 # What a mutated copy needs to run the gate.
@@ -55,8 +55,9 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
         apply(mutant, root)
         # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
         # change only kernels and module copies, so the copies reuse this checkout's
-        # coverage examples.
-        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{CACHE_ENV: cache_root_setting()})
+        # coverage examples, and its compiled executables wherever the mutant leaves the
+        # lowered program unchanged (the compilation cache is keyed by it).
+        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{cache_root.CACHE_ENV: cache_root.setting()})
         report_dir = root / "reports"
         try:
             proc = subprocess.run(gate_command(None if whole_gate else mutant.family, report_dir,
