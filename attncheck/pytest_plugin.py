@@ -61,6 +61,9 @@ def pytest_addoption(parser):
     group.addoption("--attncheck-durations", default=None, metavar="PATH",
                     help="test durations of an earlier run (relative to the project root): tests run "
                          f"longest first (default: {scheduling.DEFAULT_FILE})")
+    group.addoption("--attncheck-shard", default=None, metavar="K/N",
+                    help="run only the K-th of N shards of the run, balanced by the durations; "
+                         "`attncheck report merge DIR...` makes the report of the whole run from theirs")
     group.addoption("--attncheck-require-coverage", action="store_true", default=False,
                     help="fail the run if a bug class that applies to a kernel was never exercised")
 

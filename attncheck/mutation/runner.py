@@ -27,6 +27,7 @@ import xml.etree.ElementTree as ET
 
 from attncheck import cache_root
 from attncheck.mutation.mutant import PROJECT_ROOT, CatalogueError, Mutant, apply, mutated_source
+from attncheck.scheduling import Shard
 
 # What a mutated copy needs to run the gate.
 COPIED = ("attncheck", "kernels", "tests", "pyproject.toml")
@@ -120,19 +121,21 @@ def summarize(results: list[dict]) -> dict:
             "kill_rate": sum(r["status"] == "killed" for r in judged) / len(judged) if judged else 1.0}
 
 
-def select(catalogue: list[Mutant], *, kernel=None, ids=None, sample=False) -> list[Mutant]:
+def select(catalogue: list[Mutant], *, kernel=None, ids=None, sample=False, shard: Shard | None = None) -> list[Mutant]:
+    """The mutants asked for; of them, with ``shard`` K/N, every N-th from the K-th (in the
+    catalogue's order, so that each shard of a nightly run gets its share of every family)."""
     chosen = [m for m in catalogue if (kernel is None or m.family == kernel)
               and (not ids or m.id in ids) and (not sample or m.sample)]
     unknown = set(ids or ()) - {m.id for m in catalogue}
     if unknown:
         raise CatalogueError(f"unknown mutant id(s): {sorted(unknown)}")
-    return chosen
+    return chosen if shard is None else chosen[shard.index - 1::shard.count]
 
 
 def main(args) -> int:
     from attncheck.mutation.catalogue import CATALOGUE
 
-    chosen = select(CATALOGUE, kernel=args.kernel, ids=args.mutant, sample=args.sample)
+    chosen = select(CATALOGUE, kernel=args.kernel, ids=args.mutant, sample=args.sample, shard=args.shard)
     for m in chosen:  # every snippet must apply before anything runs
         mutated_source(m)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
