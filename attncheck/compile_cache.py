@@ -6,9 +6,12 @@ default ``.attncheck_cache``, in ``xla/``; ``none`` turns it off with the covera
 
 Most of the gate's kernel time is tracing and compiling interpret-mode and XLA programs,
 and xdist workers, later runs and the mutation runner's copies compile the same ones
-again; with the cache they load what another process compiled. Measured on the full gate
-at -n 0 (before the cache was made the default): 257 s on a warm cache, 388 s on an empty
-one (a process still reloads executables it compiled), 471 s without one.
+again; with the cache they load what another process compiled (tracing is still done
+every time). Measured on the full gate at -n 0 (before the cache was made the default):
+257 s on a warm cache, 388 s on an empty one (a process still reloads executables it
+compiled), 471 s without one. On one family, 2 cores shared with other jobs (2026-12-01):
+blockwise_ffn on xla at -n 0, 143 s without a cache, 162 s cold, 27 s warm;
+ring_flash_attention on interpret-hazards at -n auto, 115 s cold, 76 s and 73 s warm.
 
 What makes an entry safe to reuse (jax 0.12, ``jax/_src/cache_key.py``): the key hashes
 the lowered module, the jaxlib version, the platform, ``$XLA_FLAGS`` (the simulated device
@@ -17,15 +20,17 @@ another key and never meets a stale entry. Interpret mode's host callbacks are n
 entry: the module names each by its index into the executable's callback list (the
 ``xla_ffi_python_cpu_callback`` custom call), and jax binds the loading process's own
 callbacks when it deserializes an entry (``compilation_cache.get_executable_and_time``),
-so an entry carries no Python state of the process that wrote it.
+so an entry carries no Python state of the process that wrote it
+(``tests/selftest/test_compile_cache.py`` checks both).
 
 It was opt-in for a while: on a warm cache the 8-device ring flash case of the
 interpret-hazards backend deadlocked in five of five full runs. That deadlock was not the
 cache's (a fresh clone without one hung once too): two simulated cores on 8 devices starve
 XLA's CPU thread pool, and interpret-hazards now runs at most 4 devices
 (``attncheck/backends.py``); the cache only made it likely by changing the interpreter's
-timing. ``benchmarks/gate_bench.py --soak N`` re-measures it: N consecutive warm full
-gates, each with a stack dump of every process if it hangs.
+timing. Since that fix, the ring flash family on interpret-hazards passed twice on a
+warm cache (2026-12-01); ``benchmarks/gate_bench.py --soak N`` re-measures the whole gate:
+N consecutive warm full gates, each with a stack dump of every process if it hangs.
 """
 
 from __future__ import annotations

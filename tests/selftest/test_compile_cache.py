@@ -3,7 +3,10 @@ runs, off with ``none``."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +65,31 @@ def test_a_run_fills_the_cache_the_next_run_loads_it_and_none_uses_none(pytester
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-own"))  # jax's own: must stay unused
     assert _toy_run(pytester, "none") == ([], [])
     assert not (tmp_path / "jax-own").exists()
+
+
+# A jitted function with a host callback, as interpret mode's are; the callback adds this
+# process's own offset.
+CALLBACK_PROGRAM = """
+import pathlib, sys
+import jax, jax.numpy as jnp, numpy as np
+from attncheck import compile_cache
+compile_cache.configure(pathlib.Path(sys.argv[1]))
+offset = float(sys.argv[2])
+host = lambda x: (np.asarray(x) + offset).astype(np.float32)
+f = jax.jit(lambda x: jax.pure_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32), x) * 2)
+print("result", float(f(jnp.ones(3, jnp.float32))[0]))
+"""
+
+
+def test_an_entry_with_a_host_callback_runs_the_callback_of_the_process_that_loads_it(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEBUG_LOG_MODULES="jax._src.compiler", JAX_LOGGING_LEVEL="WARNING")
+
+    def run(offset: float) -> tuple[str, list[str]]:
+        done = subprocess.run([sys.executable, "-c", CALLBACK_PROGRAM, str(tmp_path), str(offset)], env=env,
+                              capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout.strip(), HIT.findall(done.stderr)
+
+    assert run(1.0) == ("result 4.0", [])
+    output, hits = run(100.0)
+    # Loaded from the first process's entry, yet running this process's callback.
+    assert output == "result 202.0" and "jit__lambda" in hits
