@@ -132,7 +132,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     shards of different collections, make the verdict FAIL with a problem naming them."""
     problems: list[str] = []
     shards: dict[int, _ShardReport] = {}
-    claimed: dict[int, pathlib.Path] = {}  # shard index -> the directory that holds it
+    unfinished: set[int] = set()  # shards named by a report that did not finish (a problem already)
     counts: set[int] = set()
     for directory in map(pathlib.Path, directories):
         try:
@@ -141,15 +141,14 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
             problems.append(str(exc))
             if exc.shard is not None:
                 index, count = map(int, exc.shard.split("/"))
-                claimed.setdefault(index, directory)
+                unfinished.add(index)
                 counts.add(count)
             continue
         info = shard.info
         counts.add(info.count)
-        if info.index in claimed:
-            problems.append(f"shard {info.name} given twice: {claimed[info.index]} and {directory}")
+        if info.index in shards:
+            problems.append(f"shard {info.name} given twice: {shards[info.index].directory} and {directory}")
             continue
-        claimed[info.index] = directory
         shards[info.index] = shard
     if not counts:
         problems.append("no shard report among " + ", ".join(map(str, directories)))
@@ -157,7 +156,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
         problems.append(f"the shards disagree on how many there are: {', '.join(map(str, sorted(counts)))}")
     count = max(counts, default=0)
     problems += [f"shard {index}/{count} is missing: no report of it among the directories given"
-                 for index in range(1, count + 1) if index not in claimed]
+                 for index in range(1, count + 1) if index not in shards and index not in unfinished]
     ordered = [shards[index] for index in sorted(shards)]
     infos = [s.info for s in ordered]
     if len({(i.collection_size, i.collection_digest) for i in infos}) > 1 or any(i.collection_digest is None

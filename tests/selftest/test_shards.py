@@ -232,6 +232,13 @@ def test_the_shares_of_the_mutant_catalogue_are_summarized_together(shards):
     assert report.problems == ["shard 3/3: no mutation.json: its share of the mutants did not run"]
 
 
+def test_a_shard_that_died_and_its_finished_rerun_are_merged_as_the_rerun_plus_the_death(shards, tmp_path):
+    report = merge.merge_shards([_died(tmp_path / "dead", 2, 3), *shards.values()])
+    assert [p.split(" (")[0] for p in report.problems] == ["shard 2/3"]
+    assert "did not finish" in report.problems[0] and report.verdict == "FAIL"
+    assert report.totals.cases == 2  # the rerun's records are in
+
+
 # ---------------------------------------------------------------------- a real sharded toy gate
 COMPARED = ("verdict", "totals", "summary", "coverage", "device_growth", "skipped_backends", "problems", "unverified")
 
