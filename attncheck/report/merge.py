@@ -192,7 +192,8 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
         for target, outcomes in i.asked.items():
             asked[target].update(outcomes)
     unverified = list(dict.fromkeys(line for i in infos for line in i.unavailable))
-    unverified += unverified_targets(records, {t: describe_tests(c) for t, c in asked.items()})
+    if infos:  # else nothing was asked of the shards: the problems say there are none
+        unverified += unverified_targets(records, {t: describe_tests(c) for t, c in asked.items()})
     # A nightly shard also ran its share of the mutant catalogue (``attncheck mutate --shard``).
     mutations = {s.info.name: _read_json(s.directory / MUTATION_FILE) for s in ordered}
     mutation = None

@@ -209,6 +209,7 @@ BROKEN = {
     "not a shard": (lambda s, tmp: [s[1], s[2], s[3], write_shard(tmp / "whole", [], None)],
                     r"whole: not the report of a shard \(its run had no --attncheck-shard\)$"),
     "no report": (lambda s, tmp: [s[1], s[2], s[3], tmp / "nothing"], r"nothing: no report\.json"),
+    "no shard at all": (lambda s, tmp: [tmp / "nothing"], r"^no shard report among .*nothing$"),
 }
 
 
@@ -218,6 +219,7 @@ def test_a_missing_failed_or_foreign_shard_fails_the_merge_and_is_named(shards, 
     report = merge.merge_shards(given(shards, tmp_path))
     assert report.verdict == "FAIL"
     assert any(re.search(problem, p) for p in report.problems), report.problems
+    assert report.unverified == []  # every target given was verified; the problems say what is wrong
 
 
 def test_the_shares_of_the_mutant_catalogue_are_summarized_together(shards):
