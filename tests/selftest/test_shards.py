@@ -259,7 +259,7 @@ def test_four_shards_of_the_toy_gate_merge_into_the_report_of_the_unsharded_run(
     runs = {name: gate_dir / name for name in ("whole", "s1", "s2", "s3", "s4")}
     for directory in runs.values():
         directory.mkdir()
-    # Coverage is judged on the whole run: no shard holds every class.
+    # Asked to require coverage, as ./dev gate is: the shards leave it to the merge.
     procs = {"whole": toy_spec.start_gate(runs["whole"], report, "--attncheck-require-coverage", "-n", "0")}
     for k in range(1, 5):
         procs[f"s{k}"] = toy_spec.start_gate(runs[f"s{k}"], report, "--attncheck-require-coverage",
