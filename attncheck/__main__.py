@@ -1,4 +1,4 @@
-"""attncheck command line: gate | report | repro CASE_ID | budgets accept | durations update | mutate.
+"""attncheck command line: gate | report [merge DIR...] | repro CASE_ID | budgets accept | durations update | mutate.
 
 Every bad or missing input ends in one line naming it and a non-zero exit, never a traceback.
 """
@@ -144,6 +144,29 @@ def cmd_report(args) -> int:
     return 0 if report.verdict == "PASS" else 1
 
 
+def cmd_report_merge(args) -> int:
+    """The report of a whole run from its shards' report directories (``--attncheck-shard
+    K/N``), with their durations joined; exits 0 only on PASS."""
+    from attncheck import scheduling
+    from attncheck.report import merge, render
+
+    output = pathlib.Path(args.report)
+    if any(pathlib.Path(d).resolve() == output.resolve() for d in args.shards):
+        raise CommandError(f"--report {output}: also given as a shard; write the merged report elsewhere")
+    report = merge.merge_shards([pathlib.Path(d) for d in args.shards])
+    render.write(output, report)
+    durations: dict[str, float] = {}
+    for directory in args.shards:
+        path = pathlib.Path(directory) / scheduling.REPORT_FILE
+        try:
+            durations.update(scheduling.load(path))
+        except (OSError, ValueError) as exc:  # they only order later runs: never a verdict
+            print(f"attncheck report merge: durations of {directory} left out: {exc}", file=sys.stderr)
+    scheduling.write(output / scheduling.REPORT_FILE, durations)
+    print((output / "report.md").read_text(encoding="utf-8"))
+    return 0 if report.verdict == "PASS" else 1
+
+
 def cmd_budgets_accept(args) -> int:
     from attncheck import accepted
     from attncheck.report.model import SummaryRow
@@ -186,6 +209,15 @@ def cmd_mutate(args) -> int:
         raise CommandError(str(exc)) from None
 
 
+def _shard(text: str):
+    from attncheck.scheduling import Shard
+
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--attncheck-shard {text!r}: ")) from None
+
+
 def _add_report(parser, default=DEFAULT_REPORT) -> None:
     parser.add_argument("--report", default=default, help="report directory (default: %(default)s)")
 
@@ -214,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accepted-budgets", default=None, metavar="PATH")
     p.add_argument("--complete", action="store_true", help="the run finished (default: mark incomplete)")
     p.set_defaults(func=cmd_report)
+    rsub = p.add_subparsers(dest="action")
+    m = rsub.add_parser("merge", help="merge the reports of a run's shards (--attncheck-shard K/N) into one")
+    m.add_argument("shards", nargs="+", metavar="DIR", help="the report directory of each shard")
+    _add_report(m)
+    m.set_defaults(func=cmd_report_merge)
     for name, help_text in (("budgets", "manage the accepted budgets"),
                             ("baseline", "deprecated name of `budgets`")):
         p = sub.add_parser(name, help=help_text)
@@ -236,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", action="store_true", help="only the PR-gate sample of fast mutants")
     p.add_argument("--whole-gate", action="store_true",
                    help="run the whole gate (-x -n auto) against each mutant, not only its family's")
+    p.add_argument("--shard", type=_shard, default=None, metavar="K/N",
+                   help="run only every N-th mutant from the K-th (one shard of a nightly run)")
     _add_report(p)
     p.set_defaults(func=cmd_mutate)
     return parser

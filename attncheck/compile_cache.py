@@ -1,45 +1,72 @@
-"""JAX's persistent compilation cache, shared by every process of a run: opt-in.
+"""JAX's persistent compilation cache: on by default, shared by every process of a run and
+kept across runs, under the cache root (``attncheck.cache_root``: ``$ATTNCHECK_CACHE_DIR``,
+default ``.attncheck_cache``, in ``xla/``; ``none`` turns it off with the coverage cache).
+``--attncheck-compile-cache DIR`` (or ``none``) overrides it for one run. jax's own
+``$JAX_COMPILATION_CACHE_DIR`` is not read: one setting governs attncheck's caches.
 
-xdist workers, later runs and the mutation runner's subprocesses compile the same
-executables again; with a cache directory they load what another process compiled (the
-key covers the lowered module, compile options, XLA flags and the jax version, so a
-changed kernel never hits a stale entry). Measured on the full gate at -n 0: 257 s on a
-warm cache, 388 s on an empty one (one process still reloads executables it compiled),
-471 s without a cache.
+Most of the gate's kernel time is tracing and compiling interpret-mode and XLA programs,
+and xdist workers, later runs and the mutation runner's copies compile the same ones
+again; with the cache they load what another process compiled (tracing is still done
+every time). Measured on the full gate at -n 0 (before the cache was made the default):
+257 s on a warm cache, 388 s on an empty one (a process still reloads executables it
+compiled), 471 s without one. On one family, 2 cores shared with other jobs (2026-12-01):
+blockwise_ffn on xla at -n 0, 143 s without a cache, 162 s cold, 27 s warm;
+ring_flash_attention on interpret-hazards at -n auto, 115 s cold, 76 s and 73 s warm.
 
-It is off unless asked for (``--attncheck-compile-cache DIR`` or
-``$JAX_COMPILATION_CACHE_DIR``): on a warm cache the 8-device ring flash case of the
-interpret-hazards backend deadlocked in five of five full runs. The deadlock turned out
-not to be the cache's (a fresh clone without one hung once too: two simulated cores on 8
-devices starve XLA's CPU thread pool, now avoided in ``attncheck/backends.py``), but the
-cache made it likely by changing the interpreter's timing, and it has not been re-measured
-since that fix. The XLA-only self-test runs use one.
+What makes an entry safe to reuse (jax 0.12, ``jax/_src/cache_key.py``): the key hashes
+the lowered module, the jaxlib version, the platform, ``$XLA_FLAGS`` (the simulated device
+count among them), the compile options and the devices, so a changed kernel lowers to
+another key and never meets a stale entry. Interpret mode's host callbacks are not in an
+entry: the module names each by its index into the executable's callback list (the
+``xla_ffi_python_cpu_callback`` custom call), and jax binds the loading process's own
+callbacks when it deserializes an entry (``compilation_cache.get_executable_and_time``),
+so an entry carries no Python state of the process that wrote it
+(``tests/selftest/test_compile_cache.py`` checks both).
+
+It was opt-in for a while: on a warm cache the 8-device ring flash case of the
+interpret-hazards backend deadlocked in five of five full runs. That deadlock was not the
+cache's (a fresh clone without one hung once too): two simulated cores on 8 devices starve
+XLA's CPU thread pool, and interpret-hazards now runs at most 4 devices
+(``attncheck/backends.py``); the cache only made it likely by changing the interpreter's
+timing. Since that fix, the ring flash family on interpret-hazards passed twice on a
+warm cache (2026-12-01); ``benchmarks/gate_bench.py --soak N`` re-measures the whole gate:
+N consecutive warm full gates, each with a stack dump of every process if it hangs.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
+
+from attncheck import cache_root
 
 # Bounded so a long-lived checkout does not grow without limit; least recently used
 # entries go first. A full gate writes about 60 MB.
 MAX_BYTES = 2 << 30
-DISABLED = "none"
+DISABLED = cache_root.DISABLED
+SUBDIR = "xla"
 
 
 def resolve(option: str | None) -> pathlib.Path | None:
-    """The cache directory: the option, else $JAX_COMPILATION_CACHE_DIR; None (no cache)
-    when neither is set or the option is "none"."""
+    """The cache directory: the option (``none``: no cache), else ``xla/`` under the cache
+    root (None when the root is ``none``)."""
     if option == DISABLED:
         return None
-    chosen = option or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    return pathlib.Path(chosen).resolve() if chosen else None
+    if option:
+        return pathlib.Path(option).resolve()
+    return cache_root.subdir(SUBDIR)
 
 
-def enable(directory: pathlib.Path) -> None:
+def configure(directory: pathlib.Path | None) -> None:
+    """Use the cache in ``directory``, or no cache at all (None) in this process, before
+    it compiles anything."""
     import jax
 
+    if directory is None:
+        # Explicitly: jax would otherwise still honour $JAX_COMPILATION_CACHE_DIR.
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     # The default (1 s) would skip nearly every gate executable: each compiles in 0.1-1 s,
     # but there are hundreds.

@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from attncheck import cache_root
 from attncheck.cases import Case, Params
 
 if TYPE_CHECKING:
@@ -66,24 +67,13 @@ def examples(spec: KernelSpec) -> list[Case]:
 
 # The search takes seconds per family, and every xdist worker and every mutant's gate
 # would repeat it at collection, before its first test. Its result depends only on the
-# spec's and attncheck's source and on hypothesis, so it is kept on disk under a hash of
-# them. "none" turns the cache off.
-CACHE_ENV = "ATTNCHECK_CACHE_DIR"
-DEFAULT_CACHE_DIR = ".attncheck_cache"
-CACHE_DISABLED = "none"
+# spec's and attncheck's source and on hypothesis, so it is kept on disk (under the cache
+# root, ``attncheck.cache_root``) under a hash of them.
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent
 
 
-def cache_root_setting() -> str:
-    """The cache root the environment asks for, as an absolute path (so that a copy of the
-    project run elsewhere shares it), or "none"."""
-    chosen = os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
-    return chosen if chosen == CACHE_DISABLED else str(pathlib.Path(chosen).resolve())
-
-
 def cache_dir() -> pathlib.Path | None:
-    root = cache_root_setting()
-    return None if root == CACHE_DISABLED else pathlib.Path(root) / "coverage"
+    return cache_root.subdir("coverage")
 
 
 @functools.cache

@@ -55,11 +55,15 @@ def pytest_addoption(parser):
                     help="budgets below this never count as a regression (default: 1/3, the measured "
                          "run-to-run spread of worst cases)")
     group.addoption("--attncheck-compile-cache", default=None, metavar="DIR",
-                    help="persistent XLA compilation cache shared by all workers and runs (default: "
-                         "$JAX_COMPILATION_CACHE_DIR, else none: see attncheck/compile_cache.py)")
+                    help="persistent XLA compilation cache shared by all workers and runs, 'none' for "
+                         "none (default: xla/ under $ATTNCHECK_CACHE_DIR, else under .attncheck_cache; "
+                         "see attncheck/compile_cache.py)")
     group.addoption("--attncheck-durations", default=None, metavar="PATH",
                     help="test durations of an earlier run (relative to the project root): tests run "
                          f"longest first (default: {scheduling.DEFAULT_FILE})")
+    group.addoption("--attncheck-shard", default=None, metavar="K/N",
+                    help="run only the K-th of N shards of the run, balanced by the durations; "
+                         "`attncheck report merge DIR...` makes the report of the whole run from theirs")
     group.addoption("--attncheck-require-coverage", action="store_true", default=False,
                     help="fail the run if a bug class that applies to a kernel was never exercised")
 

@@ -102,9 +102,7 @@ class GateRun:
         if config.getoption("timeout", None) is None and not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
             config.option.timeout_method = "signal"
-        cache = compile_cache.resolve(config.getoption("attncheck_compile_cache"))
-        if cache is not None:
-            compile_cache.enable(cache)
+        compile_cache.configure(compile_cache.resolve(config.getoption("attncheck_compile_cache")))
         self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
         self.error_maps = errormap.WorstSoFar()  # which of this process' records carry an error map
         self.durations = self._load_durations()
@@ -125,6 +123,8 @@ class GateRun:
                                              kernels=config.getoption("attncheck_kernel"),
                                              impls=tuple(config.getoption("attncheck_impl")))
             self.options.validate()
+            shard = config.getoption("attncheck_shard")
+            self.shard = None if shard is None else scheduling.Shard.parse(shard)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         self.accepted_path = config.getoption("attncheck_accepted_budgets")
@@ -161,7 +161,8 @@ class GateRun:
         render.write(self.report_dir, model.placeholder(self.run_id))
         for stale in ("junit.xml", scheduling.REPORT_FILE):
             (self.report_dir / stale).unlink(missing_ok=True)
-        rec.RunInfo(self.run_id, self.started, tuple(self.config.invocation_params.args)).write(self.report_dir)
+        rec.RunInfo(self.run_id, self.started, tuple(self.config.invocation_params.args),
+                    None if self.shard is None else str(self.shard)).write(self.report_dir)
         config = self.config
         # xdist's default hands each worker a quarter of its share up front, which undoes the
         # longest-first order; one test at a time keeps it.
@@ -215,17 +216,30 @@ class GateRun:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
         """--attncheck-kernel also selects the gate's other tests, by their family marker (a
-        mutant of one family must be judged by that family's tests alone); then the order."""
+        mutant of one family must be judged by that family's tests alone); then the order,
+        then --attncheck-shard keeps this shard's part of it."""
         if self.options.kernels:
             wanted = {spec.name for spec in self.options.selected_specs()}
-            keep, drop = [], []
-            for item in items:
-                marker = item.get_closest_marker("attncheck_family")
-                (drop if marker is not None and marker.args[0] not in wanted else keep).append(item)
-            if drop:
-                config.hook.pytest_deselected(items=drop)
-                items[:] = keep
+
+            def asked_for(item) -> bool:
+                marker = item.get_closest_marker(scheduling.FAMILY_MARKER)
+                return marker is None or marker.args[0] in wanted
+
+            self._keep(config, items, asked_for)
         items[:] = scheduling.run_order(items, self.durations)
+        if self.shard is not None:
+            rec.Collection(len(items), scheduling.collection_digest(i.nodeid for i in items)).write(
+                self.report_dir, self.run_id)
+            shard_of = scheduling.assign(items, self.durations, self.shard.count)
+            self._keep(config, items, lambda item: shard_of[item.nodeid] == self.shard.index)
+
+    @staticmethod
+    def _keep(config, items: list, wanted) -> None:
+        """Deselect the items ``wanted`` says no to, keeping the order of the others."""
+        drop = [item for item in items if not wanted(item)]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for item in items if wanted(item)]
 
     def pytest_collection_finish(self, session):
         if not self.is_worker:  # without xdist the controller collects itself
@@ -284,17 +298,22 @@ class GateRun:
             failed.setdefault(report.nodeid, lines[0] if crash is not None else lines[-1])
         return failed
 
-    def _asked(self) -> dict[str, str]:
-        """target id -> what its tests did, for every target the run collected a test of.
-        A backend that is not there is asked for only by name (``unavailable_requests``):
-        the default asks for every *available* backend."""
+    def _asked(self) -> dict[str, collections.Counter]:
+        """target id -> what its tests did (outcome -> how many), for every target the run
+        collected a test of. A backend that is not there is asked for only by name
+        (``unavailable_requests``): the default asks for every *available* backend."""
         asked = {}
         for nodeid in sorted(self.collected):
             test = selection.test_of_nodeid(self.options, nodeid)
             if test is not None and test.unavailable is None:
-                outcomes = collections.Counter(self.test_outcomes.get(test.target_id, ["not run"]))
-                asked[test.target_id] = "its tests: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+                asked[test.target_id] = collections.Counter(self.test_outcomes.get(test.target_id, ["not run"]))
         return asked
+
+    def _collection(self) -> dict:
+        """The whole run's collection, as the process that collected wrote it."""
+        collection = rec.Collection.read(self.report_dir, self.run_id)
+        return {"collection_size": None if collection is None else collection.size,
+                "collection_digest": None if collection is None else collection.digest}
 
     @staticmethod
     def _session_problems(session, exitstatus) -> list[str]:
@@ -311,19 +330,25 @@ class GateRun:
 
         interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
         collect_only = self.config.getoption("collectonly")
+        asked = {} if collect_only else self._asked()
         outcome = merge.RunOutcome(
             complete=not interrupted, wall_s=time.time() - self.started, failed_tests=self._failed_tests(),
-            asked={} if collect_only else self._asked(),
+            asked={target: model.describe_tests(outcomes) for target, outcomes in asked.items()},
             unavailable=tuple(selection.unavailable_requests(self.options)),
             skipped_backends=tuple(model.SkippedBackend(*s) for s in selection.skipped_backends(self.options)),
             session_problems=tuple(self._session_problems(session, exitstatus)))
+        applicable = {s.name: s.class_names for s in specs.all_specs().values()}
         floor = self.config.getoption("attncheck_regression_floor")
         floor = accepted.REGRESSION_FLOOR if floor is None else floor
-        report = merge.merge(
-            self.report_dir, self.run_id, outcome,
-            applicable={s.name: s.class_names for s in specs.all_specs().values()},
-            accepted_path=self.accepted_path, require_coverage=self.config.getoption("attncheck_require_coverage"),
+        require_coverage = self.config.getoption("attncheck_require_coverage")
+        shard = None if self.shard is None else model.ShardInfo(
+            self.shard.index, self.shard.count, tests=len(self.collected), **self._collection(),
+            asked={target: dict(outcomes) for target, outcomes in asked.items()}, unavailable=outcome.unavailable,
+            applicable=applicable, require_coverage=require_coverage, accepted_budgets=self.accepted_path,
             regression_floor=floor)
+        report = merge.merge(self.report_dir, self.run_id, outcome, applicable=applicable,
+                             accepted_path=self.accepted_path, require_coverage=require_coverage,
+                             regression_floor=floor, shard=shard)
         render.write(self.report_dir, report, regression_floor=floor,
                      accepted=accepted.read(pathlib.Path(self.accepted_path)) if self.accepted_path else None)
         rec.clear_stale_records(self.report_dir, self.run_id)

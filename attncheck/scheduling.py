@@ -1,4 +1,5 @@
-"""Test order from measured durations: fail-fast tests first, then longest first.
+"""Test order from measured durations: fail-fast tests first, then longest first; and the
+split of a run into shards balanced by the same durations.
 
 The gate's tests differ in cost by two orders of magnitude (one kernel family on one
 backend takes a minute, an invalid-input check a millisecond). xdist hands tests out in
@@ -12,9 +13,12 @@ profile draws every case from a fixed seed).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import pathlib
+import re
 import statistics
 
 DEFAULT_FILE = pathlib.Path("tests") / "durations.json"
@@ -32,6 +36,18 @@ def load(path: pathlib.Path) -> dict[str, float]:
 
 
 FAIL_FAST_MARKER = "attncheck_fail_fast"
+FAMILY_MARKER = "attncheck_family"
+
+
+def _fail_fast(item):
+    return item.get_closest_marker(FAIL_FAST_MARKER)
+
+
+def _typical(items: list, durations: dict[str, float], *, fail_fast: bool) -> float:
+    """The median recorded duration of the fail-fast tests (or of the others): what a test
+    of that kind without a record counts as."""
+    known = [durations[i.nodeid] for i in items if bool(_fail_fast(i)) == fail_fast and i.nodeid in durations]
+    return statistics.median(known) if known else 0.0
 
 
 def run_order(items: list, durations: dict[str, float]) -> list:
@@ -50,14 +66,10 @@ def run_order(items: list, durations: dict[str, float]) -> list:
     longest first, so that the tail of the run is short tests only; one with no record
     counts as longest (it may be long, and a long test must not be the one left at the
     end). Stable, so equal keys keep collection order."""
-    def fail_fast(item):
-        return item.get_closest_marker(FAIL_FAST_MARKER)
-
-    known = [durations[i.nodeid] for i in items if fail_fast(i) and i.nodeid in durations]
-    typical_fail_fast = statistics.median(known) if known else 0.0
+    typical_fail_fast = _typical(items, durations, fail_fast=True)
 
     def key(item):
-        marker = fail_fast(item)
+        marker = _fail_fast(item)
         if marker is None:
             return (2, -durations.get(item.nodeid, math.inf))
         seconds = durations.get(item.nodeid, typical_fail_fast)
@@ -77,3 +89,79 @@ def merge_into(target: pathlib.Path, measured: pathlib.Path) -> int:
     merged = {**load(target), **load(measured)}
     write(target, merged)
     return len(merged)
+
+
+# ------------------------------------------------------------------ shards
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """The index-th (from 1) of count shards of a run (``--attncheck-shard K/N``)."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if not match or not 1 <= int(match[1]) <= int(match[2]):
+            raise ValueError(f"--attncheck-shard {text!r}: expected K/N with 1 <= K <= N (e.g. 2/4: the second "
+                             "of four shards)")
+        return cls(int(match[1]), int(match[2]))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+# What a test costs at least, wherever it runs (pytest's own work around it).
+SHARD_MIN_TEST_S = 0.05
+
+
+def assign(items: list, durations: dict[str, float], count: int) -> dict[str, int]:
+    """nodeid -> shard index (from 1) of every item: a deterministic partition, the same
+    in every shard's process whatever the collection order, since it depends only on the
+    node ids, their markers and the durations.
+
+    First the fail-fast (coverage) tests, family by family, each to the shard holding the
+    fewest of that family's so far, the least loaded among those: every shard gets a share
+    of every family's coverage tests (as even as their number allows), so ``-x`` fails fast
+    in every shard. Then the other tests, longest first, each to the least loaded shard.
+    A test without a record counts as the median recorded test of its kind (one second when
+    none of its kind has a record), and none counts less than SHARD_MIN_TEST_S: tests
+    recorded as free still spread over the shards instead of all joining the least loaded."""
+    typical = {kind: _typical(items, durations, fail_fast=kind) or 1.0 for kind in (True, False)}
+
+    def seconds(item) -> float:
+        return max(SHARD_MIN_TEST_S, durations.get(item.nodeid, typical[bool(_fail_fast(item))]))
+
+    def family(item) -> str:
+        marker = item.get_closest_marker(FAMILY_MARKER)
+        return marker.args[0] if marker is not None else ""
+
+    def longest_first(group: list) -> list:
+        return sorted(group, key=lambda i: (-seconds(i), i.nodeid))
+
+    load = [0.0] * count
+    shard_of: dict[str, int] = {}
+
+    def place(item, shard: int) -> None:
+        shard_of[item.nodeid] = shard + 1
+        load[shard] += seconds(item)
+
+    coverage_by_family: dict[str, list] = {}
+    for item in items:
+        if _fail_fast(item):
+            coverage_by_family.setdefault(family(item), []).append(item)
+    for name in sorted(coverage_by_family):
+        held = [0] * count
+        for item in longest_first(coverage_by_family[name]):
+            shard = min(range(count), key=lambda s: (held[s], load[s], s))
+            held[shard] += 1
+            place(item, shard)
+    for item in longest_first([i for i in items if not _fail_fast(i)]):
+        place(item, min(range(count), key=lambda s: (load[s], s)))
+    return shard_of
+
+
+def collection_digest(nodeids) -> str:
+    """What identifies a run's whole collection: equal in every shard of one run, different
+    when shards ran another commit or other options."""
+    return hashlib.sha256("\n".join(sorted(nodeids)).encode()).hexdigest()[:16]

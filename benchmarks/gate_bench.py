@@ -1,17 +1,33 @@
-"""Benchmark the PR gate: wall and CPU time, cases, throughput, memory, phase breakdown.
+"""Benchmark the PR gate: wall and CPU time, cases, throughput, memory, phase breakdown;
+with the compilation cache off, cold and warm; sharded; and N warm gates in a row that
+catch a hang with a stack dump of every process.
 
-Runs the gate with the CI profile at -n 0 and at -n auto, each from cold processes (no
-persistent compilation cache: see attncheck/compile_cache.py), with the report written to
-reports/bench/n<mode>/, and prints per run: wall time, CPU time of the pytest processes,
-cases verified, cases per minute, peak RSS per worker, time each worker spent in cases, and
-the phases summed from the records (inputs, kernel = trace + compile + run, oracle,
-yardstick, compare, lowering), per kernel and backend; the harness overhead is everything
-that is not kernel or lowering time (kernel time includes what the tests that make no
-comparison record measured around their own kernel calls, and the compile of a kernel's
-own function that building the inputs needs: the ring dropout mask). Writes
-reports/bench/bench.json.
+Each run is the gate with the CI profile (``pytest --pyargs attncheck.gate tests/gate``),
+its report in reports/bench/<run>/, and attncheck's caches (``$ATTNCHECK_CACHE_DIR``: the
+compilation cache and the coverage examples) in reports/bench/cache/:
 
-    python benchmarks/gate_bench.py [--modes 0,auto] [--output bench.json] [pytest args...]
+- ``--cache none,cold,warm`` (default): the gate with no cache (``none``), on an emptied
+  cache (``cold``: what a CI job without a restored cache sees) and on the cache the cold
+  run filled (``warm``), at each ``-n`` of ``--modes`` (default ``auto``);
+- ``--shards N``: then the N shards of the gate (``--attncheck-shard K/N``, warm), one after
+  another, each timed, their reports merged (``attncheck report merge``) and compared with
+  the warm unsharded run: case ids, outcomes and verdict must be the same;
+- ``--soak N``: then N consecutive warm gates, each stopped after ``--soak-timeout``
+  seconds; a test running past ``--dump-after`` seconds dumps the stacks of its process
+  (pytest's faulthandler_timeout), and a run stopped at the timeout gets a faulthandler
+  dump of every one of its processes (SIGABRT), plus gdb's native stacks where gdb is
+  installed, in reports/bench/soak-<i>/stacks.log.
+
+Printed per run: wall time, CPU time of the pytest processes, cases verified, cases per
+minute, peak RSS per worker, time each worker spent in cases, and the phases summed from
+the records (inputs, kernel = trace + compile + run, oracle, yardstick, compare, lowering),
+per kernel and backend; the harness overhead is everything that is not kernel or lowering
+time (kernel time includes what the tests that make no comparison record measured around
+their own kernel calls, and the compile of a kernel's own function that building the
+inputs needs: the ring dropout mask). Everything lands in reports/bench/bench.json.
+
+    python benchmarks/gate_bench.py [--modes 0,auto] [--cache none,cold,warm] [--shards 4]
+                                    [--soak 10] [--output bench.json] [pytest args...]
 """
 
 from __future__ import annotations
@@ -19,16 +35,22 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import pathlib
 import resource
+import shutil
+import signal
 import subprocess
 import sys
 import time
 
+from attncheck import cache_root
 from attncheck.report import records as rec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "reports" / "bench"
+CACHE = OUT / "cache"
+CACHE_MODES = ("none", "cold", "warm")
 # Per case (the same in each direction's record) and per comparison; the *_compile_s ones
 # are the trace + lower + XLA compile (or cache load) part of the phase before them.
 CASE_PHASES = ("inputs_s", "inputs_compile_s", "kernel_s", "kernel_compile_s", "oracle_s", "yardstick_s",
@@ -37,16 +59,85 @@ PHASES = ("inputs_s", "inputs_compile_s", "kernel_s", "kernel_compile_s", "lower
           "yardstick_compile_s", "compare_s")
 
 
-def run_gate(mode: str, extra: list[str]) -> dict:
-    report_dir = OUT / f"n{mode}"
+def run_gate(name: str, mode: str, cache: str, extra: list[str], *, timeout_s: float | None = None,
+             dump_after_s: float | None = None) -> dict:
+    """One gate run into reports/bench/<name>, measured; a run past ``timeout_s`` is
+    stopped with a stack dump of each of its processes."""
+    report_dir = OUT / name
+    if cache == "cold":
+        shutil.rmtree(CACHE, ignore_errors=True)
+    env = dict(os.environ, **{cache_root.CACHE_ENV: cache_root.DISABLED if cache == "none" else str(CACHE)})
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "tests/gate", "-q", "-n", mode,
            "--hypothesis-profile=ci", "--attncheck-report", str(report_dir), *extra]
+    if dump_after_s is not None:
+        cmd += ["-o", f"faulthandler_timeout={dump_after_s:.0f}"]
+    report_dir.mkdir(parents=True, exist_ok=True)
+    log = report_dir / "bench.log"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with open(log, "w", encoding="utf-8") as out:
+        # Its own process group: a hung run's workers are found, dumped and stopped with it.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+            _dump_and_stop(proc.pid, report_dir / "stacks.log")
+            proc.wait()
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    report = json.loads((report_dir / "report.json").read_text())
+    result = {"run": name, "mode": mode, "cache": cache, "exit_code": proc.returncode, "hung": hung,
+              "wall_s": round(wall, 1), "cpu_s": round((after.ru_utime - before.ru_utime)
+                                                       + (after.ru_stime - before.ru_stime), 1),
+              "log": str(log.relative_to(ROOT)),
+              "tail": log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]}
+    result["cores_busy"] = round(result["cpu_s"] / wall, 2)
+    try:
+        report = json.loads((report_dir / "report.json").read_text())
+    except (OSError, ValueError):
+        return result
+    return {**result, **_measure(report, report_dir, wall)}
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of a process group (the pytest controller and its xdist workers)."""
+    ps = subprocess.run(["ps", "-o", "pid=,pgid=", "-e"], capture_output=True, text=True).stdout
+    return [int(pid) for pid, group in (line.split() for line in ps.splitlines()) if int(group) == pgid]
+
+
+def _dump_and_stop(pgid: int, stacks: pathlib.Path) -> None:
+    """Native stacks of every process of the group (gdb, when installed), then SIGABRT:
+    pytest's faulthandler prints every Python thread's stack of each process into the run's
+    log as it dies; then the group is killed."""
+    with open(stacks, "w", encoding="utf-8") as out:
+        for pid in _group(pgid):
+            out.write(f"==== pid {pid}: {_cmdline(pid)}\n")
+            out.flush()
+            if shutil.which("gdb"):
+                try:
+                    subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"], stdout=out,
+                                   stderr=subprocess.STDOUT, timeout=120)
+                except subprocess.TimeoutExpired:
+                    out.write("gdb timed out\n")
+        out.write("==== Python stacks: the faulthandler dumps at the end of the run's bench.log\n")
+    for pid in _group(pgid):
+        os.kill(pid, signal.SIGABRT)
+    time.sleep(5)  # faulthandler writes its dump before the process dies
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
+def _measure(report: dict, report_dir: pathlib.Path, wall: float) -> dict:
     records = report["records"]
     per_worker_rss = collections.defaultdict(float)
     busy = collections.defaultdict(float)  # seconds each worker spent in the phases of cases
@@ -75,12 +166,9 @@ def run_gate(mode: str, extra: list[str]) -> dict:
     kernel_time = sum(g["kernel_s"] + g["lower_s"] + g["inputs_compile_s"] for g in phases.values()) + outside_records
     workers = max(1, len(per_worker_rss))
     cases = report["totals"]["cases"]
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
-        "mode": mode, "exit_code": proc.returncode, "wall_s": round(wall, 1),
-        "cpu_s": round(cpu, 1), "cores_busy": round(cpu / wall, 2),
-        "cases": cases, "comparisons": report["totals"]["records"], "failures": report["totals"]["failures"],
-        "cases_per_minute": round(cases / wall * 60, 1),
+        "verdict": report["verdict"], "cases": cases, "comparisons": report["totals"]["records"],
+        "failures": report["totals"]["failures"], "cases_per_minute": round(cases / wall * 60, 1),
         "peak_rss_mb_per_worker": {w: round(v) for w, v in sorted(per_worker_rss.items())},
         "case_seconds_per_worker": {w: round(v, 1) for w, v in sorted(busy.items())},
         # Worker-seconds not spent tracing, compiling or running kernels.
@@ -88,33 +176,98 @@ def run_gate(mode: str, extra: list[str]) -> dict:
         "phase_totals": {p: round(sum(g[p] for g in phases.values()), 1) for p in PHASES},
         "kernel_s_outside_records": round(outside_records, 1),
         "phases": {k: {p: round(v, 2) for p, v in g.items()} for k, g in sorted(phases.items())},
-        "tail": proc.stdout.strip().splitlines()[-1:] if proc.stdout else [],
     }
+
+
+def _print_run(r: dict) -> None:
+    if "cases" not in r:
+        print(f"{r['run']}: no report (exit {r['exit_code']}{', HUNG' if r['hung'] else ''}); see {r['log']}")
+        return
+    print(f"{r['run']} (-n {r['mode']}, cache {r['cache']}): {r['verdict']}, wall {r['wall_s']} s, cpu {r['cpu_s']} s "
+          f"({r['cores_busy']} cores busy), {r['cases']} cases ({r['comparisons']} comparisons, "
+          f"{r['failures']} failing), {r['cases_per_minute']} cases/min, harness overhead "
+          f"{r['harness_overhead_share']:.1%}, peak RSS/worker {r['peak_rss_mb_per_worker']} MB, "
+          f"seconds in cases per worker {r['case_seconds_per_worker']}")
+    print("    all kernels    " + "  ".join(f"{p[:-2]} {r['phase_totals'][p]:6.1f}" for p in PHASES)
+          + f"  kernel outside records {r['kernel_s_outside_records']:6.1f}")
+    for name, phase in r["phases"].items():
+        print(f"    {name:<40} " + "  ".join(f"{p[:-2]} {phase.get(p, 0):6.1f}" for p in PHASES)
+              + f"  cases {phase.get('cases', 0):.0f}")
+
+
+def _outcomes(report_dir: pathlib.Path) -> tuple[str, list[tuple]]:
+    report = json.loads((report_dir / "report.json").read_text())
+    return report["verdict"], sorted((r["kernel"], r["impl"], r["backend"], r["case_id"], r["direction"],
+                                      r["outcome"]) for r in report["records"])
+
+
+def sharded(count: int, mode: str, extra: list[str], unsharded: pathlib.Path | None) -> dict:
+    """The count shards one after another (warm), merged, against the unsharded run."""
+    shards = [run_gate(f"shard-{k}-of-{count}", mode, "warm", [*extra, f"--attncheck-shard={k}/{count}"])
+              for k in range(1, count + 1)]
+    merged_dir = OUT / f"merged-{count}"
+    merge = subprocess.run([sys.executable, "-m", "attncheck", "report", "merge",
+                            *(str(OUT / s["run"]) for s in shards), "--report", str(merged_dir)],
+                           cwd=ROOT, capture_output=True, text=True)
+    result = {"shards": count, "shard_wall_s": [s["wall_s"] for s in shards],
+              "wall_s_in_parallel": max(s["wall_s"] for s in shards), "merge_exit_code": merge.returncode,
+              "runs": shards}
+    if (merged_dir / "report.json").is_file():
+        verdict, outcomes = _outcomes(merged_dir)
+        result["merged_verdict"] = verdict
+        if unsharded is not None:
+            whole_verdict, whole_outcomes = _outcomes(unsharded)
+            result["equals_unsharded"] = (verdict, outcomes) == (whole_verdict, whole_outcomes)
+    return result
+
+
+def soak(count: int, mode: str, extra: list[str], timeout_s: float, dump_after_s: float) -> dict:
+    runs = [run_gate(f"soak-{i}", mode, "warm", extra, timeout_s=timeout_s, dump_after_s=dump_after_s)
+            for i in range(1, count + 1)]
+    for r in runs:
+        print(f"soak {r['run']}: {'HUNG (stacks in ' + r['log'] + ' and stacks.log)' if r['hung'] else r.get('verdict')}"
+              f", wall {r['wall_s']} s, exit {r['exit_code']}", flush=True)
+    return {"runs": count, "hung": sum(r["hung"] for r in runs), "timeout_s": timeout_s,
+            "wall_s": [r["wall_s"] for r in runs], "verdicts": [r.get("verdict") for r in runs], "details": runs}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="0,auto", help="comma-separated -n values")
+    parser.add_argument("--modes", default="auto", help="comma-separated -n values (default: %(default)s)")
+    parser.add_argument("--cache", default=",".join(CACHE_MODES),
+                        help="comma-separated cache modes, in this order: none, cold, warm (default: %(default)s)")
+    parser.add_argument("--shards", type=int, default=0, help="then run the gate in this many shards, one by one")
+    parser.add_argument("--soak", type=int, default=0, help="then this many warm gates in a row, watching for hangs")
+    parser.add_argument("--soak-timeout", type=float, default=1200, help="seconds before a soak run counts as hung")
+    parser.add_argument("--dump-after", type=float, default=300,
+                        help="seconds one test may run in a soak before its process dumps its stacks")
     parser.add_argument("--output", default="bench.json", help="file name under reports/bench/")
     args, extra = parser.parse_known_args()
+    caches = [c for c in args.cache.split(",") if c]
+    if not set(caches) <= set(CACHE_MODES):
+        parser.error(f"--cache {args.cache!r}: expected some of {', '.join(CACHE_MODES)}")
     OUT.mkdir(parents=True, exist_ok=True)
-    results = [run_gate(mode, extra) for mode in args.modes.split(",")]
-    for r in results:
-        print(f"-n {r['mode']}: wall {r['wall_s']} s, cpu {r['cpu_s']} s "
-              f"({r['cores_busy']} cores busy), {r['cases']} cases ({r['comparisons']} comparisons, "
-              f"{r['failures']} failing), {r['cases_per_minute']} cases/min, harness overhead "
-              f"{r['harness_overhead_share']:.1%}, peak RSS/worker {r['peak_rss_mb_per_worker']} MB, "
-              f"seconds in cases per worker {r['case_seconds_per_worker']}")
-        print("    all kernels    " + "  ".join(f"{p[:-2]} {r['phase_totals'][p]:6.1f}" for p in PHASES)
-              + f"  kernel outside records {r['kernel_s_outside_records']:6.1f}")
-        for name, phase in r["phases"].items():
-            print(f"    {name:<40} " + "  ".join(f"{p[:-2]} {phase.get(p, 0):6.1f}" for p in PHASES)
-                  + f"  cases {phase.get('cases', 0):.0f}")
-    if len(results) == 2:
-        print(f"speed-up -n {results[1]['mode']} vs -n {results[0]['mode']}: "
-              f"{results[0]['wall_s'] / results[1]['wall_s']:.2f}x")
+    modes = args.modes.split(",")
+    results = {"runs": [run_gate(f"n{mode}-{cache}", mode, cache, extra) for mode in modes for cache in caches]}
+    for r in results["runs"]:
+        _print_run(r)
+    by_cache = {(r["mode"], r["cache"]): r["wall_s"] for r in results["runs"]}
+    for mode in modes:
+        print(f"-n {mode}: " + ", ".join(f"{c} {by_cache[(mode, c)]} s" for c in caches if (mode, c) in by_cache))
+    if args.shards:
+        warm = OUT / f"n{modes[0]}-warm"
+        results["sharded"] = sharded(args.shards, modes[0], extra, warm if "warm" in caches else None)
+        s = results["sharded"]
+        print(f"{args.shards} shards at -n {modes[0]}, warm, one after another: {s['shard_wall_s']} s "
+              f"(in parallel: {s['wall_s_in_parallel']} s); merged verdict {s.get('merged_verdict')}"
+              + (f", equals the unsharded run: {s['equals_unsharded']}" if "equals_unsharded" in s else ""))
+    if args.soak:
+        results["soak"] = soak(args.soak, modes[0], extra, args.soak_timeout, args.dump_after)
+        print(f"soak: {results['soak']['hung']} of {args.soak} warm gates hung")
     (OUT / args.output).write_text(json.dumps(results, indent=1))
-    return 0 if all(r["exit_code"] == 0 for r in results) else 1
+    runs = results["runs"] + results.get("sharded", {}).get("runs", []) + results.get("soak", {}).get("details", [])
+    ok = all(r["exit_code"] == 0 for r in runs) and results.get("sharded", {}).get("equals_unsharded", True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-from attncheck.coverage import CACHE_ENV, cache_root_setting
+from attncheck import cache_root
 from attncheck.mutation.mutant import PROJECT_ROOT, CatalogueError, Mutant, apply, mutated_source
+from attncheck.scheduling import Shard
 
 # What a mutated copy needs to run the gate.
 COPIED = ("attncheck", "kernels", "tests", "pyproject.toml")
@@ -55,8 +56,9 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
         apply(mutant, root)
         # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
         # change only kernels and module copies, so the copies reuse this checkout's
-        # coverage examples.
-        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{CACHE_ENV: cache_root_setting()})
+        # coverage examples, and its compiled executables wherever the mutant leaves the
+        # lowered program unchanged (the compilation cache is keyed by it).
+        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{cache_root.CACHE_ENV: cache_root.setting()})
         report_dir = root / "reports"
         try:
             proc = subprocess.run(gate_command(None if whole_gate else mutant.family, report_dir,
@@ -119,19 +121,21 @@ def summarize(results: list[dict]) -> dict:
             "kill_rate": sum(r["status"] == "killed" for r in judged) / len(judged) if judged else 1.0}
 
 
-def select(catalogue: list[Mutant], *, kernel=None, ids=None, sample=False) -> list[Mutant]:
+def select(catalogue: list[Mutant], *, kernel=None, ids=None, sample=False, shard: Shard | None = None) -> list[Mutant]:
+    """The mutants asked for; of them, with ``shard`` K/N, every N-th from the K-th (in the
+    catalogue's order, so that each shard of a nightly run gets its share of every family)."""
     chosen = [m for m in catalogue if (kernel is None or m.family == kernel)
               and (not ids or m.id in ids) and (not sample or m.sample)]
     unknown = set(ids or ()) - {m.id for m in catalogue}
     if unknown:
         raise CatalogueError(f"unknown mutant id(s): {sorted(unknown)}")
-    return chosen
+    return chosen if shard is None else chosen[shard.index - 1::shard.count]
 
 
 def main(args) -> int:
     from attncheck.mutation.catalogue import CATALOGUE
 
-    chosen = select(CATALOGUE, kernel=args.kernel, ids=args.mutant, sample=args.sample)
+    chosen = select(CATALOGUE, kernel=args.kernel, ids=args.mutant, sample=args.sample, shard=args.shard)
     for m in chosen:  # every snippet must apply before anything runs
         mutated_source(m)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -1,16 +1,20 @@
 """Merge a run's records into its report: validated records, the cases that started and
-never finished, what was asked for and verified nothing, coverage holes, regressions."""
+never finished, what was asked for and verified nothing, coverage holes, regressions. And
+merge the reports of a run's shards into the report of the whole run."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import pathlib
 from collections.abc import Mapping
 
 from attncheck import accepted, coverage
+from attncheck.mutation import runner
 from attncheck.report import records as rec
-from attncheck.report.model import Report, SkippedBackend, build, summarize, unverified_targets
+from attncheck.report.model import (FAIL, INCOMPLETE, Report, ShardInfo, SkippedBackend, build, describe_tests,
+                                    summarize, unverified_targets)
 
 MUTATION_FILE = "mutation.json"
 
@@ -34,7 +38,11 @@ class RunOutcome:
 
 def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
           applicable: Mapping[str, tuple[str, ...]], accepted_path: str | None = None,
-          regression_floor: float = accepted.REGRESSION_FLOOR, require_coverage: bool = False) -> Report:
+          regression_floor: float = accepted.REGRESSION_FLOOR, require_coverage: bool = False,
+          shard: ShardInfo | None = None) -> Report:
+    """The report of a run from the files it wrote. A shard's report (``shard``) leaves the
+    coverage holes and regressions to the merge of the shards: they are properties of the
+    whole run."""
     directory = pathlib.Path(directory)
     records, problems = rec.read_records(directory, run_id)
     started, marker_problems = rec.read_started(directory, run_id)
@@ -48,20 +56,158 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
     failing_tests = {r.nodeid for r in records if not r.passed}
     problems += [f"{nodeid} failed without a failing record: {reason[:300]}"
                  for nodeid, reason in sorted(outcome.failed_tests.items()) if nodeid not in failing_tests]
-    if require_coverage:
-        counts = coverage.table(records, applicable)
-        problems += [f"coverage: {kernel} never exercised {', '.join(names)}"
-                     for kernel, names in coverage.missing(counts, applicable).items()]
     regressions = None
-    if accepted_path:
-        regressions = accepted.regressions(summarize(records), accepted.read(pathlib.Path(accepted_path)),
-                                           regression_floor)
+    if shard is None:
+        holes, regressions = _judge_whole_run(records, applicable, require_coverage, accepted_path, regression_floor)
+        problems += holes
     unverified = list(outcome.unavailable)
     if outcome.asked is not None:
         unverified += unverified_targets(records, outcome.asked)
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
                  unverified=unverified, skipped_backends=list(outcome.skipped_backends), applicable=applicable,
-                 regressions=regressions, mutation=_read_json(directory / MUTATION_FILE))
+                 regressions=regressions, mutation=_read_json(directory / MUTATION_FILE), shard=shard)
+
+
+def _judge_whole_run(records: list[rec.Record], applicable: Mapping[str, tuple[str, ...]], require_coverage: bool,
+                     accepted_path: str | None, regression_floor: float) -> tuple[list[str], list[str] | None]:
+    """(coverage holes, numerics regressions or None when no accepted budgets were given)."""
+    holes = []
+    if require_coverage:
+        counts = coverage.table(records, applicable)
+        holes = [f"coverage: {kernel} never exercised {', '.join(names)}"
+                 for kernel, names in coverage.missing(counts, applicable).items()]
+    regressions = None
+    if accepted_path:
+        regressions = accepted.regressions(summarize(records), accepted.read(pathlib.Path(accepted_path)),
+                                           regression_floor)
+    return holes, regressions
+
+
+# ------------------------------------------------------------------ the shards of a run
+class _Unusable(Exception):
+    """A directory given to the merge holds no usable shard report; ``shard`` is the one
+    its run said it was, when it said."""
+
+    def __init__(self, message: str, shard: str | None = None):
+        super().__init__(message)
+        self.shard = shard
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardReport:
+    directory: pathlib.Path
+    info: ShardInfo
+    data: dict  # its report.json, validated
+    records: list[rec.Record]
+
+
+def _read_shard(directory: pathlib.Path) -> _ShardReport:
+    path = directory / "report.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _Unusable(f"{directory}: no report.json (the shard never ran, or this is not its report "
+                        "directory)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _Unusable(f"{path}: unreadable ({exc})") from None
+    error = next(iter(rec.report_validator().iter_errors(data)), None)
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "report"
+        raise _Unusable(f"{path}: not a valid attncheck report ({where}: {error.message[:200]})")
+    if "shard" not in data:
+        run = rec.RunInfo.read(directory, data["run_id"])
+        if run is not None and run.shard:
+            raise _Unusable(f"shard {run.shard} ({directory}) did not finish: its report is {data['verdict']} "
+                            f"(`attncheck report --report {directory} --run {data['run_id']}` merges what it "
+                            "recorded)", run.shard)
+        raise _Unusable(f"{directory}: not the report of a shard (its run had no --attncheck-shard)")
+    return _ShardReport(directory, ShardInfo.from_json(data["shard"]), data,
+                        [rec.Record.from_json(r) for r in data["records"]])
+
+
+def merge_shards(directories: list[pathlib.Path]) -> Report:
+    """The report of a whole run from its shards' report directories: the records of every
+    shard, and coverage, summary, regressions and verdict computed on them exactly as for
+    one unsharded run. A shard that is missing, given twice, did not finish or failed, or
+    shards of different collections, make the verdict FAIL with a problem naming them."""
+    problems: list[str] = []
+    shards: dict[int, _ShardReport] = {}
+    unfinished: set[int] = set()  # shards named by a report that did not finish (a problem already)
+    counts: set[int] = set()
+    for directory in map(pathlib.Path, directories):
+        try:
+            shard = _read_shard(directory)
+        except _Unusable as exc:
+            problems.append(str(exc))
+            if exc.shard is not None:
+                index, count = map(int, exc.shard.split("/"))
+                unfinished.add(index)
+                counts.add(count)
+            continue
+        info = shard.info
+        counts.add(info.count)
+        if info.index in shards:
+            problems.append(f"shard {info.name} given twice: {shards[info.index].directory} and {directory}")
+            continue
+        shards[info.index] = shard
+    if not counts:
+        problems.append("no shard report among " + ", ".join(map(str, directories)))
+    if len(counts) > 1:
+        problems.append(f"the shards disagree on how many there are: {', '.join(map(str, sorted(counts)))}")
+    count = max(counts, default=0)
+    problems += [f"shard {index}/{count} is missing: no report of it among the directories given"
+                 for index in range(1, count + 1) if index not in shards and index not in unfinished]
+    ordered = [shards[index] for index in sorted(shards)]
+    infos = [s.info for s in ordered]
+    if len({(i.collection_size, i.collection_digest) for i in infos}) > 1 or any(i.collection_digest is None
+                                                                                 for i in infos):
+        problems.append("the shards collected different tests (another commit or other options): "
+                        + ", ".join(f"{i.name}: {i.collection_size} tests, {i.collection_digest}" for i in infos))
+    elif infos and len(infos) == count and sum(i.tests for i in infos) != infos[0].collection_size:
+        problems.append(f"the shards ran {sum(i.tests for i in infos)} tests of the {infos[0].collection_size} "
+                        "their run collected")
+    if len({(i.require_coverage, i.accepted_budgets, i.regression_floor) for i in infos}) > 1:
+        problems.append("the shards were judged differently (--attncheck-require-coverage, "
+                        "--attncheck-accepted-budgets, --attncheck-regression-floor): " + ", ".join(
+                            f"{i.name}: {i.require_coverage}, {i.accepted_budgets}, {i.regression_floor}"
+                            for i in infos))
+    for s in ordered:
+        if s.data["verdict"] in (FAIL, INCOMPLETE):
+            problems.append(f"shard {s.info.name} ({s.directory}): {s.data['verdict']}")
+        problems += [f"shard {s.info.name}: {p}" for p in s.data["problems"]]
+
+    records = sorted((r for s in ordered for r in s.records), key=lambda r: r.key)
+    problems += [f"a record in more than one shard: {key}" for key in rec.duplicates(records)]
+    applicable = {family: classes for i in infos for family, classes in i.applicable.items()}
+    regressions = None
+    if infos:
+        try:
+            holes, regressions = _judge_whole_run(records, applicable, infos[0].require_coverage,
+                                                  infos[0].accepted_budgets, infos[0].regression_floor)
+            problems += holes
+        except accepted.AcceptedBudgetsError as exc:
+            problems.append(f"--attncheck-accepted-budgets of the shards: {exc}")
+    asked: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for i in infos:
+        for target, outcomes in i.asked.items():
+            asked[target].update(outcomes)
+    unverified = list(dict.fromkeys(line for i in infos for line in i.unavailable))
+    if infos:  # else nothing was asked of the shards: the problems say there are none
+        unverified += unverified_targets(records, {t: describe_tests(c) for t, c in asked.items()})
+    # A nightly shard also ran its share of the mutant catalogue (``attncheck mutate --shard``).
+    mutations = {s.info.name: _read_json(s.directory / MUTATION_FILE) for s in ordered}
+    mutation = None
+    if any(mutations.values()):
+        mutation = runner.summarize([r for m in mutations.values() if m for r in m.get("results", [])])
+        problems += [f"shard {name}: no {MUTATION_FILE}: its share of the mutants did not run"
+                     for name, m in mutations.items() if not m]
+    walls = [s.data["wall_s"] for s in ordered]
+    skipped = dict.fromkeys(SkippedBackend(**b) for s in ordered for b in s.data["skipped_backends"])
+    # The merge is final: a shard missing or unfinished is a problem above, never "in progress".
+    return build(records, run_id="+".join(s.data["run_id"] for s in ordered) or "no-shards", complete=True,
+                 wall_s=None if not walls or None in walls else max(walls), problems=problems,
+                 unverified=unverified, skipped_backends=list(skipped), applicable=applicable,
+                 regressions=regressions, mutation=mutation)
 
 
 def _read_json(path: pathlib.Path):

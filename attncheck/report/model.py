@@ -65,6 +65,40 @@ class Totals:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """Which shard of a run (``--attncheck-shard K/N``) a report is, and what merging the
+    shards needs besides their records (``attncheck report merge``): the whole collection,
+    to find a missing shard; what each target's tests did, to say which target verified
+    nothing in the run as a whole; and what is judged on the whole run only, never on a
+    shard (coverage holes and numerics regressions: a shard holds part of each family's
+    cases)."""
+
+    index: int  # from 1
+    count: int
+    tests: int  # the tests this shard ran
+    collection_size: int | None  # the tests of the whole run (None: the shard collected nothing)
+    collection_digest: str | None
+    asked: Mapping[str, Mapping[str, int]]  # target id -> outcome of its tests -> how many
+    unavailable: tuple[str, ...]  # backends asked for by name that cannot run
+    applicable: Mapping[str, tuple[str, ...]]  # family -> its bug classes
+    require_coverage: bool
+    accepted_budgets: str | None
+    regression_floor: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> ShardInfo:
+        return cls(**{**data, "unavailable": tuple(data["unavailable"]),
+                      "applicable": {k: tuple(v) for k, v in data["applicable"].items()}})
+
+
+@dataclasses.dataclass(frozen=True)
 class Report:
     run_id: str
     verdict: str
@@ -80,6 +114,7 @@ class Report:
     regressions: list[str] | None  # None: no accepted budgets were given
     records: list[Record]
     mutation: dict | None = None
+    shard: ShardInfo | None = None  # None: not a shard of a run
 
     @property
     def failing(self) -> list[Record]:
@@ -96,6 +131,10 @@ class Report:
         out["schema_version"] = SCHEMA_VERSION
         if self.regressions is None:
             del out["regressions"]
+        if self.shard is None:
+            del out["shard"]
+        else:
+            out["shard"] = self.shard.to_json()
         return _json_safe(out)
 
 
@@ -143,6 +182,12 @@ def verdict(*, failures: int, problems: list[str], unverified: list[str], comple
     return PASS if complete else INCOMPLETE
 
 
+def describe_tests(outcomes: Mapping[str, int]) -> str:
+    """What a target's tests did (outcome -> how many), for the line that says it verified
+    nothing."""
+    return "its tests: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+
+
 def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[str]:
     """For every target asked for (target id -> what asked for it) with no case, a line
     saying so; and one when nothing at all was asked for."""
@@ -156,7 +201,7 @@ def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[
 def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float | None, problems: list[str],
           unverified: list[str], skipped_backends: list[SkippedBackend],
           applicable: Mapping[str, tuple[str, ...]], regressions: list[str] | None = None,
-          mutation: dict | None = None) -> Report:
+          mutation: dict | None = None, shard: ShardInfo | None = None) -> Report:
     """The report of a run from its records (``applicable``: the bug classes of each family)."""
     counts = coverage.table(records, applicable)
     problems = list(problems) + list(regressions or ())
@@ -167,7 +212,7 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
         totals=Totals(records=len(records), cases=len({(r.kernel, r.case_id) for r in records}), failures=failures),
         summary=summarize(records), coverage=counts, device_growth=device_growth(records),
         skipped_backends=skipped_backends, problems=problems, unverified=list(unverified), regressions=regressions,
-        records=records, mutation=mutation)
+        records=records, mutation=mutation, shard=shard)
 
 
 def placeholder(run_id: str) -> Report:

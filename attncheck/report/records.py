@@ -37,6 +37,8 @@ STARTED_SUFFIX = ".started"
 KERNEL_TIME_SUFFIX = ".kernel_s"
 # The run's own description, written when it starts (``RunInfo``).
 RUN_SUFFIX = ".run.json"
+# A shard's whole collection (``Collection``).
+COLLECTION_SUFFIX = ".collection.json"
 OUTCOMES = ("pass", "fail", "error")
 
 
@@ -174,11 +176,13 @@ def kernel_times_outside_records(report_dir: pathlib.Path, run_id: str) -> list[
 @dataclasses.dataclass(frozen=True)
 class RunInfo:
     """What a run was asked to verify, written when it starts: a merge done later (of a
-    run that died) knows its start, its arguments and its targets."""
+    run that died, or of the shards of a run) knows its start, its arguments and which
+    shard it was."""
 
     run_id: str
     started: float  # time.time()
     args: tuple[str, ...] = ()
+    shard: str | None = None  # "K/N" of --attncheck-shard
 
     def write(self, report_dir: pathlib.Path) -> None:
         path = pathlib.Path(report_dir) / RECORDS_DIR / f"{self.run_id}{RUN_SUFFIX}"
@@ -189,7 +193,7 @@ class RunInfo:
     def read(cls, report_dir: pathlib.Path, run_id: str) -> RunInfo | None:
         try:
             data = json.loads((pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}{RUN_SUFFIX}").read_text())
-            return cls(data["run_id"], float(data["started"]), tuple(data.get("args", ())))
+            return cls(data["run_id"], float(data["started"]), tuple(data.get("args", ())), data.get("shard"))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -226,6 +230,34 @@ def clear_stale_records(report_dir: pathlib.Path, run_id: str) -> None:
                 f.unlink(missing_ok=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Collection:
+    """Every test a run collected before it was cut into shards: written by each process
+    that collects (each xdist worker: they collect the same tests), read by the controller,
+    which sees only its own shard's tests."""
+
+    size: int
+    digest: str
+
+    @staticmethod
+    def _path(report_dir: pathlib.Path, run_id: str) -> pathlib.Path:
+        return pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}{COLLECTION_SUFFIX}"
+
+    def write(self, report_dir: pathlib.Path, run_id: str) -> None:
+        path = self._path(report_dir, run_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Every worker writes the same bytes, so writes that interleave still leave them.
+        path.write_text(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def read(cls, report_dir: pathlib.Path, run_id: str) -> Collection | None:
+        try:
+            data = json.loads(cls._path(report_dir, run_id).read_text())
+            return cls(int(data["size"]), str(data["digest"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
 # ------------------------------------------------------------------ reading
 def _inline_refs(node, defs: Mapping[str, Any]):
     """The schema with every local ``$ref`` replaced by its definition (the record schema
@@ -241,12 +273,25 @@ def _inline_refs(node, defs: Mapping[str, Any]):
 
 
 @functools.cache
+def _schema() -> dict:
+    return json.loads((pathlib.Path(__file__).parent / "schema.json").read_text())
+
+
+@functools.cache
 def _validator():
     import jsonschema
 
-    schema = json.loads((pathlib.Path(__file__).parent / "schema.json").read_text())
+    schema = _schema()
     return jsonschema.Draft202012Validator({"$schema": schema["$schema"],
                                             **_inline_refs(schema["$defs"]["record"], schema["$defs"])})
+
+
+@functools.cache
+def report_validator():
+    """The validator of a whole report.json."""
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(_schema())
 
 
 def _lines(path: pathlib.Path, problems: list[str]):

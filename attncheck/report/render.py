@@ -91,6 +91,11 @@ def render_markdown(report: Report) -> str:
     out = [f"# attncheck: {report.verdict}", "",
            f"{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; "
            f"{wall}; run {md_code(report.run_id)}" + ("" if report.complete else " (**incomplete**)"), ""]
+    if report.shard is not None:
+        shard = report.shard
+        out += [f"Shard {shard.name} of a run: {shard.tests} of its {shard.collection_size} tests. "
+                "`attncheck report merge` joins the shards' reports; coverage holes and numerics regressions "
+                "are judged there, on the whole run.", ""]
     if report.unverified:
         out += ["## Nothing verified", ""] + [f"- {md(p)}" for p in report.unverified] + [""]
     if report.problems:

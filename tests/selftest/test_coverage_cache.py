@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attncheck import coverage, specs
+from attncheck import cache_root, coverage, specs
 from tests.selftest import toy_spec
 
 
 @pytest.fixture
 def toy(monkeypatch, tmp_path):
-    monkeypatch.setenv(coverage.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(tmp_path))
     coverage._examples.cache_clear()
     yield toy_spec.SPEC
     coverage._examples.cache_clear()
@@ -72,7 +72,7 @@ def test_the_key_changes_with_what_the_search_reads(toy, monkeypatch):
 
 
 def test_none_turns_the_cache_off(toy, tmp_path, monkeypatch):
-    monkeypatch.setenv(coverage.CACHE_ENV, coverage.CACHE_DISABLED)
+    monkeypatch.setenv(cache_root.CACHE_ENV, cache_root.DISABLED)
     assert coverage.cache_dir() is None
     assert ids(fresh_examples(toy)) == ids(coverage.search(toy))
     assert not cached_files(tmp_path)

@@ -157,9 +157,16 @@ def test_schema_follows_the_code():
     assert set(SCHEMA["$defs"]["record"]["properties"]) == {f.name for f in dataclasses.fields(Record)}
     built = report_of([record()]).to_json()
     assert set(SCHEMA["required"]) == set(built)
-    assert set(SCHEMA["properties"]) == set(built) | {"regressions"}
+    assert set(SCHEMA["properties"]) == set(built) | {"regressions", "shard"}
     assert set(SCHEMA["$defs"]["summary_row"]["required"]) == set(built["summary"][0])
     REPORT_VALIDATOR.validate(json.loads(json.dumps(built)))
+    shard = model.ShardInfo(2, 4, tests=3, collection_size=9, collection_digest="0123456789abcdef",
+                            asked={"toy_attention-builtin-xla": {"passed": 2}}, unavailable=(),
+                            applicable=APPLICABLE, require_coverage=True, accepted_budgets=None, regression_floor=0.3)
+    sharded = report_of([record()], shard=shard).to_json()
+    assert set(SCHEMA["$defs"]["shard"]["required"]) == set(sharded["shard"]) == {
+        f.name for f in dataclasses.fields(model.ShardInfo)}
+    REPORT_VALIDATOR.validate(json.loads(json.dumps(sharded)))
     REPORT_VALIDATOR.validate(model.placeholder(RUN_ID).to_json())
 
 

@@ -1,4 +1,4 @@
-"""Test order (fail-fast tests first, then longest first) and where the compilation cache is."""
+"""Test order: fail-fast tests first, then longest first; and stopping at --maxfail."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from attncheck import compile_cache, scheduling
+from attncheck import scheduling
 
 
 def _item(nodeid: str, fail_fast: bool = False, lead: bool = False):
@@ -54,15 +54,6 @@ def test_a_malformed_durations_file_is_named(tmp_path):
     bad.write_text('{"a": "slow"}')
     with pytest.raises(ValueError, match=r"durations.json: expected a JSON object of test id -> seconds"):
         scheduling.load(bad)
-
-
-def test_compile_cache_is_opt_in_and_the_option_beats_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    assert compile_cache.resolve(None) is None
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
-    assert compile_cache.resolve(None) == tmp_path / "env"
-    assert compile_cache.resolve(str(tmp_path / "opt")) == tmp_path / "opt"
-    assert compile_cache.resolve(compile_cache.DISABLED) is None
 
 
 def _config(tmp_path, maxfail: int, run_id: str = "run-1"):

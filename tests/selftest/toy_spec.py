@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, cache_root, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -281,8 +281,9 @@ GATE_ARGS = ("--pyargs", "attncheck.gate", "-p", "no:randomly", "--hypothesis-pr
              f"--attncheck-spec={SPEC_MODULE}", "--attncheck-only-spec")
 # The generic gate's node ids seen from a directory outside the package.
 GATE_TEST = "test_gate.py::test_kernel_matches_oracle"
-# Shared by every toy run: the second run of a shape skips XLA's compile.
-JAX_CACHE = REPO_ROOT / ".jax_cache" / "selftest-toy"
+# The cache root of every toy run (attncheck.cache_root): the second run of a shape skips
+# XLA's compile, and the toy's coverage examples are searched once.
+CACHE_ROOT = REPO_ROOT / ".attncheck_cache" / "selftest-toy"
 RUN_TIMEOUT_S = 240
 INI = """[pytest]
 timeout_method = signal
@@ -297,7 +298,7 @@ def setup_gate_dir(pytester, monkeypatch) -> pathlib.Path:
     """Point the environment of the runs at the repository and the toy spec."""
     pytester.makeini(INI)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(CACHE_ROOT))
     # The runs must not write to this job's step summary, nor think they are xdist workers.
     for name in ("GITHUB_STEP_SUMMARY", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                  "PYTEST_XDIST_TESTRUNUID", CALL_LOG_ENV):

@@ -1,0 +1,95 @@
+"""jax's persistent compilation cache: on by default under attncheck's cache root, shared by
+runs, off with ``none``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from attncheck import cache_root, compile_cache, coverage
+from tests.selftest import toy_spec
+
+pytest_plugins = ("pytester",)
+
+
+def test_the_cache_is_under_the_cache_root_unless_the_option_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(cache_root.CACHE_ENV, raising=False)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-own"))  # not attncheck's setting
+    default = (tmp_path / cache_root.DEFAULT_CACHE_DIR).resolve()
+    assert compile_cache.resolve(None) == default / "xla"
+    assert coverage.cache_dir() == default / "coverage"
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(tmp_path / "root"))
+    assert compile_cache.resolve(None) == (tmp_path / "root" / "xla").resolve()
+    assert compile_cache.resolve(str(tmp_path / "opt")) == (tmp_path / "opt").resolve()
+    assert compile_cache.resolve(compile_cache.DISABLED) is None
+    # "none" turns both caches off; the option still chooses one for its run.
+    monkeypatch.setenv(cache_root.CACHE_ENV, cache_root.DISABLED)
+    assert compile_cache.resolve(None) is None and coverage.cache_dir() is None
+    assert compile_cache.resolve(str(tmp_path / "opt")) == (tmp_path / "opt").resolve()
+
+
+HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
+MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
+
+
+def _toy_run(pytester, report: str):
+    """The toy gate's builtin implementation with -s, so that jax's debug log of the
+    compiler (every persistent cache hit and miss) reaches the output."""
+    result = toy_spec.run_gate(pytester, report, "-s", "-k", "builtin")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    log = result.stdout.str() + result.stderr.str()
+    return HIT.findall(log), MISS.findall(log)
+
+
+def test_a_run_fills_the_cache_the_next_run_loads_it_and_none_uses_none(pytester, monkeypatch, tmp_path):
+    toy_spec.setup_gate_dir(pytester, monkeypatch)
+    # jax's compiler logs every persistent cache hit and miss at debug level; its debug
+    # handler prints only while the jax logger has a level above debug.
+    monkeypatch.setenv("JAX_DEBUG_LOG_MODULES", "jax._src.compiler")
+    monkeypatch.setenv("JAX_LOGGING_LEVEL", "WARNING")
+    root = tmp_path / "root"
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(root))
+    _, cold_misses = _toy_run(pytester, "cold")
+    entries = sorted(p.name for p in (root / compile_cache.SUBDIR).glob("*-cache"))
+    assert cold_misses and len(entries) >= len(set(cold_misses))
+    warm_hits, warm_misses = _toy_run(pytester, "warm")
+    # Everything the second run compiled came from the first run's entries; it wrote none.
+    assert warm_hits and not warm_misses
+    assert sorted(p.name for p in (root / compile_cache.SUBDIR).glob("*-cache")) == entries
+    monkeypatch.setenv(cache_root.CACHE_ENV, cache_root.DISABLED)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-own"))  # jax's own: must stay unused
+    assert _toy_run(pytester, "none") == ([], [])
+    assert not (tmp_path / "jax-own").exists()
+
+
+# A jitted function with a host callback, as interpret mode's are; the callback adds this
+# process's own offset.
+CALLBACK_PROGRAM = """
+import pathlib, sys
+import jax, jax.numpy as jnp, numpy as np
+from attncheck import compile_cache
+compile_cache.configure(pathlib.Path(sys.argv[1]))
+offset = float(sys.argv[2])
+host = lambda x: (np.asarray(x) + offset).astype(np.float32)
+f = jax.jit(lambda x: jax.pure_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32), x) * 2)
+print("result", float(f(jnp.ones(3, jnp.float32))[0]))
+"""
+
+
+def test_an_entry_with_a_host_callback_runs_the_callback_of_the_process_that_loads_it(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEBUG_LOG_MODULES="jax._src.compiler", JAX_LOGGING_LEVEL="WARNING")
+
+    def run(offset: float) -> tuple[str, list[str]]:
+        done = subprocess.run([sys.executable, "-c", CALLBACK_PROGRAM, str(tmp_path), str(offset)], env=env,
+                              capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout.strip(), HIT.findall(done.stderr)
+
+    assert run(1.0) == ("result 4.0", [])
+    output, hits = run(100.0)
+    # Loaded from the first process's entry, yet running this process's callback.
+    assert output == "result 202.0" and "jit__lambda" in hits
