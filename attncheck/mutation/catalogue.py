@@ -423,9 +423,44 @@ RING_MUTANTS = [
            bug_class="fully_masked_row_nan"),
 ]
 
+# ---------------------------------------------------------------- paged attention (jax's, installed)
+PAGED_MODULE = "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel"
+
+
+def _paged(id, find, replace, description, bug_class):
+    return Mutant(id, "paged_attention", None, find=find, replace=replace, description=description,
+                  bug_class=bug_class, module=PAGED_MODULE, impl="paged_attention")
+
+
+PAGED_MUTANTS = [
+    _paged("pa-length-mask-off-by-one",
+           "    mask = i * bk + jax.lax.broadcasted_iota(jnp.int32, qk.shape, 1) < length\n",
+           "    mask = i * bk + jax.lax.broadcasted_iota(jnp.int32, qk.shape, 1) <= length\n",
+           "the slot just past a sequence's length is visible", "mask_off_by_one"),
+    _paged("pa-soft-cap-not-rescaled", "      qk = capped_qk * attn_logits_soft_cap\n", "      qk = capped_qk\n",
+           "soft cap returns tanh(qk / cap) without multiplying back by cap", "soft_cap_wrong"),
+    _paged("pa-normaliser-not-rescaled", "    l_next = alpha * l_prev + beta * l_curr\n",
+           "    l_next = l_prev + beta * l_curr\n",
+           "online softmax keeps the old normaliser unscaled when the running max rises", "online_softmax_rescale"),
+    _paged("pa-prefetch-skips-one-empty-sequence",
+           "            lambda _, b: jnp.where(lengths_ref[b] == 0, b + b_step, b),\n",
+           "            lambda _, b: b,\n",
+           "the prefetch skips only the first of several empty sequences: the next one computes with the "
+           "pages of an empty one", "prefetch_wrong_block"),
+    _paged("pa-megacore-kv-head-index", "  h = h * h_step + h_start\n", "  h = h + h_start\n",
+           "megacore kv_head: a core's later steps load the pages of another core's kv head", "core_index_wrong"),
+    _paged("pa-int8-scales-bf16", "      scales_jax_array = self._scales_vmem_buffer[...].astype(jnp.float32)\n",
+           "      scales_jax_array = self._scales_vmem_buffer[...].astype(jnp.bfloat16)\n",
+           "int8 dequantisation scales rounded to bfloat16", "dequantization_precision"),
+    _paged("pa-megacore-batch-inline-length", "    length = lengths_ref[b * num_cores + core_index]\n",
+           "    length = lengths_ref[b + core_index]\n",
+           "megacore batch, inline: a core's second sequence uses the length of another", "core_index_wrong"),
+]
+
 CATALOGUE: list[Mutant] = [
     *FLASH_MASKING, *FLASH_SCALE, *FLASH_SOFTMAX, *FLASH_BLOCKS, *FLASH_STATE,
     *RAGGED_MASKING, *RAGGED_VALUES, *RAGGED_SOFTMAX, *RAGGED_DMA,
     *FFN_MUTANTS,
     *RING_MUTANTS,
+    *PAGED_MUTANTS,
 ]

@@ -13,6 +13,7 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.ffn",
     "attncheck.specs.ragged",
     "attncheck.specs.ring",
+    "attncheck.specs.paged",
 )
 SPEC_MODULES = list(BUILTIN_SPEC_MODULES)
 
