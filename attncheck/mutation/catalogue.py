@@ -457,10 +457,41 @@ PAGED_MUTANTS = [
            "megacore batch, inline: a core's second sequence uses the length of another", "core_index_wrong"),
 ]
 
+# ---------------------------------------------------------------- dot_product_attention (the flash adapter)
+DPA = "kernels/dot_product_attention.py"
+DPA_MUTANTS = [
+    Mutant("dpa-bias-times-scale", "dot_product_attention", DPA,
+           find="bias.astype(jnp.float32) / scale", replace="bias.astype(jnp.float32) * scale",
+           description="bias converted to the kernel's (q.k + ab) * scale with * instead of /",
+           bug_class="scale_bias_order_swapped"),
+    Mutant("dpa-window-right-side-ignored", "dot_product_attention", DPA,
+           find="(j <= i + window[1])", replace="(j <= i)",
+           description="local window keeps only its left side", bug_class="mask_wrong"),
+    Mutant("dpa-masked-rows-not-replaced", "dot_product_attention", DPA,
+           find="        out = jnp.where(~visible.any(axis=-1)[..., None], mean_v.astype(out.dtype), out)\n",
+           replace="",
+           description="rows that see no key keep the kernel's uniform average over the padded keys",
+           bug_class="fully_masked_row_wrong"),
+    Mutant("dpa-gqa-tiled-heads", "dot_product_attention", DPA,
+           find="        x = jnp.repeat(x.transpose(0, 2, 1, 3), repeat, axis=1)\n",
+           replace="        x = jnp.tile(x.transpose(0, 2, 1, 3), (1, repeat, 1, 1))\n",
+           description="kv heads tiled instead of repeated: query head n reads kv head n % K, not n // G",
+           bug_class="gqa_head_mapping"),
+    Mutant("dpa-padded-keys-visible", "dot_product_attention", DPA,
+           find="(0, s_pad - s)), constant_values=MASKED_AB)", replace="(0, s_pad - s)))",
+           description="keys added to reach the kernel's tile get logit 0 instead of being hidden",
+           bug_class="padding_leak"),
+    Mutant("dpa-query-lengths-ignored", "dot_product_attention", DPA,
+           find="    if query_seq_lengths is not None:\n        out = out *",
+           replace="    if False:\n        out = out *",
+           description="rows past a query length are not zeroed", bug_class="mask_wrong"),
+]
+
 CATALOGUE: list[Mutant] = [
     *FLASH_MASKING, *FLASH_SCALE, *FLASH_SOFTMAX, *FLASH_BLOCKS, *FLASH_STATE,
     *RAGGED_MASKING, *RAGGED_VALUES, *RAGGED_SOFTMAX, *RAGGED_DMA,
     *FFN_MUTANTS,
     *RING_MUTANTS,
     *PAGED_MUTANTS,
+    *DPA_MUTANTS,
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from attncheck.specs import all_specs, flash, paged, ragged
+from attncheck.specs import all_specs, dpa, flash, paged, ragged
 
 
 def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None) -> ragged.RaggedParams:
@@ -110,3 +110,23 @@ def test_paged_megacore_classes_need_a_second_step_per_core_with_work():
     assert "megacore_batch_grid" in paged_classes((1, 2, 3, 4), megacore="batch", inline=False)
     # Equal lengths hide a core reading another core's length.
     assert "megacore_batch_inline" not in paged_classes((1, 2, 2, 4), megacore="batch")
+
+
+def dpa_params(**changes) -> dpa.DPAParams:
+    base = dict(dtype="float32", batch=2, q_len=6, kv_len=8, q_heads=4, kv_heads=2, head_dim=16, scale=None,
+                bias="none", mask="none", mask_empties_rows=False, is_causal=False, window=None, q_lengths=None,
+                kv_lengths=None, values="normal")
+    return dpa.DPAParams(**base | changes)
+
+
+def test_dpa_window_right_side_needs_no_causal_mask():
+    classes = dict((c.name, c.applies) for c in dpa.SPEC.bug_classes)
+    assert classes["window_right_side"](dpa_params(window=(2, 1)))
+    assert not classes["window_right_side"](dpa_params(window=(2, 1), is_causal=True))
+    assert not classes["window_right_side"](dpa_params(window=(4, 0)))
+
+
+def test_dpa_fully_masked_row_counts_only_rows_within_their_query_length():
+    assert dpa.some_row_sees_no_key(dpa_params(kv_lengths=(0, 3)))
+    assert not dpa.some_row_sees_no_key(dpa_params(kv_lengths=(0, 3), q_lengths=(0, 6)))
+    assert dpa.some_row_sees_no_key(dpa_params(mask="shared", mask_empties_rows=True))
