@@ -18,7 +18,6 @@ dk/dv back), and hands the kernel bias / scale as ``ab`` (the kernel computes
 (q.k + ab) * scale). Any visibility other than plain causal over unpadded keys is folded
 into ``ab`` (MASKED_AB where a key is hidden, the kernel run non-causal); rows that see
 no key are then replaced by an explicit mean of v, which is jax.nn's value and gradient.
-It imports nothing of attncheck.
 """
 
 from __future__ import annotations
