@@ -127,8 +127,10 @@ def _with_several_keys(predicate):
     return lambda p: any(n >= 2 for n in p.lengths) and predicate(p)
 
 
-def _all_differ(lengths: tuple[int, ...]) -> bool:
-    return all(lengths) and len(set(lengths)) == len(lengths)
+def _megacore_batch_steps(p: PagedParams) -> bool:
+    """Megacore over the batch with a second step per core, every sequence of its own length."""
+    return (p.megacore_mode == "batch" and p.batch > MEGACORE_CORES and all(p.lengths)
+            and len(set(p.lengths)) == len(p.lengths))
 
 
 def zero_lengths_between_others(p: PagedParams) -> bool:
@@ -165,11 +167,11 @@ class PagedSpec(KernelSpec[PagedParams]):
         # so two sequences with work.
         megacore_kv_head=lambda p: (p.megacore_mode == "kv_head" and p.kv_heads > MEGACORE_CORES
                                     and sum(map(bool, p.lengths)) >= 2),
-        # Each core must take its own sequences in every step, and a wrong one shows where
-        # they all differ. The inline kernel indexes lengths with its own arithmetic.
-        megacore_batch_inline=lambda p: p.megacore_mode == "batch" and p.inline_seq_dim and _all_differ(p.lengths),
-        megacore_batch_grid=lambda p: (p.megacore_mode == "batch" and not p.inline_seq_dim
-                                       and _all_differ(p.lengths)),
+        # Each core must take its own sequences in every step (so a second step per core),
+        # and a wrong one shows where they all differ. The inline kernel indexes lengths
+        # with its own arithmetic.
+        megacore_batch_inline=lambda p: _megacore_batch_steps(p) and p.inline_seq_dim,
+        megacore_batch_grid=lambda p: _megacore_batch_steps(p) and not p.inline_seq_dim,
         seq_dim_not_inline=lambda p: not p.inline_seq_dim,
         int8_pages=_with_several_keys(lambda p: p.page_dtype == "int8"),
         mixed_dtypes=_with_several_keys(lambda p: p.page_dtype != p.dtype),

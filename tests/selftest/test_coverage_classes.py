@@ -108,8 +108,10 @@ def test_paged_megacore_classes_need_a_second_step_per_core_with_work():
     assert "megacore_kv_head" not in paged_classes((3, 5), megacore="kv_head", shape=paged.SHAPES[1])
     assert "megacore_batch_inline" in paged_classes((1, 2, 3, 4), megacore="batch")
     assert "megacore_batch_grid" in paged_classes((1, 2, 3, 4), megacore="batch", inline=False)
-    # Equal lengths hide a core reading another core's length.
+    # Equal lengths hide a core reading another core's length; with 2 sequences each core
+    # has one step only.
     assert "megacore_batch_inline" not in paged_classes((1, 2, 2, 4), megacore="batch")
+    assert "megacore_batch_inline" not in paged_classes((1, 2), megacore="batch", shape=two_kv_steps)
 
 
 def dpa_params(**changes) -> dpa.DPAParams:
