@@ -270,8 +270,9 @@ class PagedSpec(KernelSpec[PagedParams]):
     def yardstick(self, case, inputs):
         """Naive attention in the kernel's grouped layout: the query heads of a kv head as its
         rows ([B, Hkv, G, D]); XLA's CPU dot per query head is luckier than the kernel's
-        [G, D] x [D, L] and would flag correct results. It computes in float32 where the
-        kernel does (int8 dequantised, or a float32 operand), else in bfloat16."""
+        [G, D] x [D, L] and would flag correct results. It computes in the promotion of q's
+        dtype and the pages' computed dtype (bfloat16 for float pages, as declared; float32
+        for dequantised int8)."""
         p = case.params
         q = inputs["q"]
         compute = np.promote_types(q.dtype, np.float32 if p.page_dtype == "int8" else ml_dtypes.bfloat16)
