@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
