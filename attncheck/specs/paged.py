@@ -176,7 +176,7 @@ class PagedSpec(KernelSpec[PagedParams]):
         mixed_dtypes=_with_several_keys(lambda p: p.page_dtype != p.dtype),
         soft_cap=_with_several_keys(lambda p: p.soft_cap is not None),
         large_logits=_with_several_keys(lambda p: p.values == "large"),
-        # With 8k query heads per kv head and a bf16 q the running output is kept in bf16
+        # With a multiple of 8 query heads per kv head and a bf16 q the running output is kept in bf16
         # between compute blocks.
         bf16_running_output=lambda p: (p.dtype == "bfloat16" and p.groups % 8 == 0
                                        and any(n > p.block_tokens for n in p.lengths)))
