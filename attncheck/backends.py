@@ -56,24 +56,29 @@ class Backend:
     def unavailable_reason(self) -> str | None:
         return self.probe()
 
-    def settings(self, seed: int = 0, devices: int = 1) -> dict:
+    def settings(self, seed: int = 0, devices: int = 1, cores: int | None = None) -> dict:
         """The interpreter settings a case with this seed on this many devices runs under
-        ({} when native)."""
+        ({} when native). ``cores``: the simulated cores per device the case needs (None:
+        the backend's own choice): a kernel written for a megacore chip may hang on one core,
+        so such a case gets that many in every variant (grid order and DMA modes still
+        rotate)."""
         if not self.name.startswith("interpret"):
             return {}
         if not self.runs_devices(devices):
             raise ValueError(f"backend {self.name} runs cases on at most {self.max_devices} devices; "
                              f"this case needs {devices}")
         variant = dict(self.variants[seed % len(self.variants)]) if self.variants else {}
+        if cores is not None:
+            variant["num_cores_or_threads"] = cores
         return {**INTERPRET_BASE, **variant}
 
     def runs_devices(self, devices: int) -> bool:
         return self.max_devices is None or devices <= self.max_devices
 
     @contextlib.contextmanager
-    def context(self, seed: int = 0, devices: int = 1) -> Iterator[None]:
+    def context(self, seed: int = 0, devices: int = 1, cores: int | None = None) -> Iterator[None]:
         """Run the kernel under this backend."""
-        settings = self.settings(seed, devices)
+        settings = self.settings(seed, devices, cores)
         if settings:
             try:
                 with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):

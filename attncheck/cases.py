@@ -21,13 +21,19 @@ class Params:
 
     Subclasses declare their fields, a ``dtype: str`` field among them (the working
     precision the report groups by; :func:`check_params_type` enforces it), and override
-    the two properties where the default does not fit.
+    the properties where the default does not fit.
     """
 
     @property
     def device_count(self) -> int:
         """Simulated devices the case runs on."""
         return 1
+
+    @property
+    def simulated_cores(self) -> int | None:
+        """Simulated TPU cores per device the case needs on the interpret backends (None:
+        whatever the backend simulates)."""
+        return None
 
     @property
     def sequence_length(self) -> int:

@@ -82,9 +82,10 @@ def repro_command(target: Target, case: Case, report_dir: str | None = None) -> 
 def case_run(target: Target, case: Case, report_dir: str | None = None, nodeid: str = "") -> CaseRun:
     """What a record of this case says before any verdict (also its started marker)."""
     spec, p = target.spec, case.params
+    settings = target.backend.settings(case.seed, p.device_count, p.simulated_cores)
     return CaseRun(
         case_id=case.id, case=case.to_json(), kernel=spec.name, impl=target.impl_name, impl_ref=target.impl_ref,
-        backend=target.backend.name, backend_settings=target.backend.settings(case.seed, p.device_count),
+        backend=target.backend.name, backend_settings=settings,
         dtype=p.dtype, seq_len=p.sequence_length, device_count=p.device_count, classes=tuple(spec.classes(case)),
         repro=repro_command(target, case, report_dir), nodeid=nodeid)
 
@@ -225,7 +226,8 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     with timings.phase("inputs", compiles=True):
         inputs = spec.inputs(case)
     try:
-        with target.backend.context(case.seed, p.device_count), timings.phase("kernel", compiles=True):
+        with (target.backend.context(case.seed, p.device_count, p.simulated_cores),
+              timings.phase("kernel", compiles=True)):
             got = spec.run(target.impl, case, inputs)
         if not isinstance(got, dict):
             raise TypeError(f"the spec's run() returned {type(got).__name__}, expected a dict of directions")

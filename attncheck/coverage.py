@@ -55,6 +55,23 @@ def exercised(classes: Iterable[BugClass], params: Params) -> list[str]:
     return sorted(c.name for c in classes if c.applies(params))
 
 
+def expected_max_rises(rows: Iterable[tuple[int, int]], block_tokens: int) -> float:
+    """How many (query row, kv block after its first) steps of an online softmax raise the
+    running max, on average over exchangeable logits, for rows that see the keys
+    [first, end) in blocks of ``block_tokens``: a block adding n keys to m seen before
+    raises it with probability n / (n + m). Few expected rises and a fixed seed may well
+    draw none, and a rescaling bug then shows nowhere."""
+    rises = 0.0
+    for first, end in rows:
+        seen = 0
+        for block_start in range(first - first % block_tokens, end, block_tokens):
+            new = min(end, block_start + block_tokens) - max(first, block_start)
+            if seen:
+                rises += new / (seen + new)
+            seen += new
+    return rises
+
+
 # ------------------------------------------------------------------ the examples
 def examples(spec: KernelSpec) -> list[Case]:
     """For each bug class of the spec, the simplest case that exercises it.

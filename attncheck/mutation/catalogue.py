@@ -479,6 +479,68 @@ SPLASH_MUTANTS = [
             "        do.astype(v.dtype), v, dp_dims, preferred_element_type=jnp.float32,\n    )\n"
             "    ds = dp * p\n",
             "dq kernel drops rowsum(dO * O) from dS", "softmax_bwd_delta_missing"),
+# ---------------------------------------------------------------- paged attention (jax's, installed)
+PAGED_MODULE = "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel"
+
+
+def _paged(id, find, replace, description, bug_class):
+    return Mutant(id, "paged_attention", None, find=find, replace=replace, description=description,
+                  bug_class=bug_class, module=PAGED_MODULE, impl="paged_attention")
+
+
+PAGED_MUTANTS = [
+    _paged("pa-length-mask-off-by-one",
+           "    mask = i * bk + jax.lax.broadcasted_iota(jnp.int32, qk.shape, 1) < length\n",
+           "    mask = i * bk + jax.lax.broadcasted_iota(jnp.int32, qk.shape, 1) <= length\n",
+           "the slot just past a sequence's length is visible", "mask_off_by_one"),
+    _paged("pa-soft-cap-not-rescaled", "      qk = capped_qk * attn_logits_soft_cap\n", "      qk = capped_qk\n",
+           "soft cap returns tanh(qk / cap) without multiplying back by cap", "soft_cap_wrong"),
+    _paged("pa-normaliser-not-rescaled", "    l_next = alpha * l_prev + beta * l_curr\n",
+           "    l_next = l_prev + beta * l_curr\n",
+           "online softmax keeps the old normaliser unscaled when the running max rises", "online_softmax_rescale"),
+    _paged("pa-prefetch-skips-one-empty-sequence",
+           "            lambda _, b: jnp.where(lengths_ref[b] == 0, b + b_step, b),\n",
+           "            lambda _, b: b,\n",
+           "the prefetch skips only the first of several empty sequences: the next one computes with the "
+           "pages of an empty one", "prefetch_wrong_block"),
+    _paged("pa-megacore-kv-head-index", "  h = h * h_step + h_start\n", "  h = h + h_start\n",
+           "megacore kv_head: a core's later steps load the pages of another core's kv head", "core_index_wrong"),
+    _paged("pa-int8-scales-bf16", "      scales_jax_array = self._scales_vmem_buffer[...].astype(jnp.float32)\n",
+           "      scales_jax_array = self._scales_vmem_buffer[...].astype(jnp.bfloat16)\n",
+           "int8 dequantisation scales rounded to bfloat16", "dequantization_precision"),
+    _paged("pa-megacore-batch-inline-length", "    length = lengths_ref[b * num_cores + core_index]\n",
+           "    length = lengths_ref[b + core_index]\n",
+           "megacore batch, inline: a core's second sequence uses the length of another", "core_index_wrong"),
+]
+
+# ---------------------------------------------------------------- dot_product_attention (the flash adapter)
+DPA = "kernels/dot_product_attention.py"
+DPA_MUTANTS = [
+    Mutant("dpa-bias-times-scale", "dot_product_attention", DPA,
+           find="bias.astype(jnp.float32) / scale", replace="bias.astype(jnp.float32) * scale",
+           description="bias converted to the kernel's (q.k + ab) * scale with * instead of /",
+           bug_class="scale_bias_order_swapped"),
+    Mutant("dpa-window-right-side-ignored", "dot_product_attention", DPA,
+           find="(j <= i + window[1])", replace="(j <= i)",
+           description="local window keeps only its left side", bug_class="mask_wrong"),
+    Mutant("dpa-masked-rows-not-replaced", "dot_product_attention", DPA,
+           find="        out = jnp.where(~visible.any(axis=-1)[..., None], mean_v.astype(out.dtype), out)\n",
+           replace="",
+           description="rows that see no key keep the kernel's uniform average over the padded keys",
+           bug_class="fully_masked_row_wrong"),
+    Mutant("dpa-gqa-tiled-heads", "dot_product_attention", DPA,
+           find="        x = jnp.repeat(x.transpose(0, 2, 1, 3), repeat, axis=1)\n",
+           replace="        x = jnp.tile(x.transpose(0, 2, 1, 3), (1, repeat, 1, 1))\n",
+           description="kv heads tiled instead of repeated: query head n reads kv head n % K, not n // G",
+           bug_class="gqa_head_mapping"),
+    Mutant("dpa-padded-keys-visible", "dot_product_attention", DPA,
+           find="(0, s_pad - s)), constant_values=MASKED_AB)", replace="(0, s_pad - s)))",
+           description="keys added to reach the kernel's tile get logit 0 instead of being hidden",
+           bug_class="padding_leak"),
+    Mutant("dpa-query-lengths-ignored", "dot_product_attention", DPA,
+           find="    if query_seq_lengths is not None:\n        out = out *",
+           replace="    if False:\n        out = out *",
+           description="rows past a query length are not zeroed", bug_class="mask_wrong"),
 ]
 
 CATALOGUE: list[Mutant] = [
@@ -487,4 +549,6 @@ CATALOGUE: list[Mutant] = [
     *FFN_MUTANTS,
     *RING_MUTANTS,
     *SPLASH_MUTANTS,
+    *PAGED_MUTANTS,
+    *DPA_MUTANTS,
 ]

@@ -14,6 +14,8 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.ragged",
     "attncheck.specs.ring",
     "attncheck.specs.splash",
+    "attncheck.specs.paged",
+    "attncheck.specs.dpa",
 )
 SPEC_MODULES = list(BUILTIN_SPEC_MODULES)
 

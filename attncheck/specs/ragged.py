@@ -138,21 +138,11 @@ def seqs_share_a_q_block(p: RaggedParams) -> bool:
 
 
 def expected_max_rises(p: RaggedParams, block_tokens: int) -> float:
-    """How many (query row, kv block after its first) steps raise the running max, on
-    average over exchangeable logits: a block adding n keys to m seen before raises it with
-    probability n / (n + m). Few expected rises and a fixed seed may well draw none."""
+    """Expected rises of the running max over every query row (bottom-right causal, window)."""
     window = p.sliding_window or math.inf
-    rises = 0.0
-    for q_len, kv_len in p.seqs:
-        for pos in range(kv_len - q_len, kv_len):
-            first = int(max(0, pos + 1 - window))
-            seen = 0
-            for block_start in range(first - first % block_tokens, pos + 1, block_tokens):
-                new = min(pos + 1, block_start + block_tokens) - max(first, block_start)
-                if seen:
-                    rises += new / (seen + new)
-                seen += new
-    return rises * p.num_q_heads
+    rows = [(int(max(0, pos + 1 - window)), pos + 1) for q_len, kv_len in p.seqs
+            for pos in range(kv_len - q_len, kv_len)]
+    return coverage.expected_max_rises(rows, block_tokens) * p.num_q_heads
 
 
 def _poison(dtype) -> float:

@@ -57,6 +57,20 @@ def test_hazard_variants_rotate_through_every_mode():
     assert backends.BACKENDS["xla"].settings(3) == {}
 
 
+def test_a_case_that_needs_two_cores_gets_them_on_every_interpret_backend():
+    """A megacore kernel (paged attention's megacore modes) hangs on one simulated core:
+    the case's own requirement wins over the backend's choice, and the hazard variants
+    keep rotating their grid orders and DMA modes."""
+    hazards = backends.BACKENDS["interpret-hazards"]
+    assert backends.BACKENDS["interpret"].settings(5, cores=2)["num_cores_or_threads"] == 2
+    assert "num_cores_or_threads" not in backends.BACKENDS["interpret"].settings(5)
+    seen = [hazards.settings(seed, cores=2) for seed in range(len(backends.HAZARD_VARIANTS))]
+    assert all(s["num_cores_or_threads"] == 2 and s["detect_races"] for s in seen)
+    assert {s["dma_execution_mode"] for s in seen} == {"on_wait", "eager"}
+    assert {hazards.settings(seed)["num_cores_or_threads"] for seed in range(len(seen))} == {1, 2}
+    assert backends.BACKENDS["xla"].settings(5, cores=2) == {}
+
+
 def test_interpreter_state_is_reset_after_an_exception(monkeypatch):
     calls = []
     monkeypatch.setattr(pltpu, "reset_tpu_interpret_mode_state", lambda: calls.append(1))
