@@ -177,6 +177,7 @@ class GateRun:
         from attncheck import backends
 
         lines = [f"  {name}: {'available' if (reason := b.unavailable_reason()) is None else 'skipped: ' + reason}"
+                 + (f" (emulates {b.tpu_device_kind})" if b.tpu_device_kind else "")
                  for name, b in backends.BACKENDS.items()]
         return ["attncheck backends:", *lines,
                 f"attncheck report: {self.report_dir}  hypothesis profile: {settings.get_current_profile_name()}"
@@ -338,6 +339,8 @@ class GateRun:
             terminalreporter.write_line(f"NO CASES: {line}", yellow=True)
         for problem in report.problems:
             terminalreporter.write_line(f"GATE FAILURE: {problem}", red=True)
+        for line in report.limitations:
+            terminalreporter.write_line(f"NOT RUNNABLE: {line}", yellow=True)
 
     def pytest_unconfigure(self, config):
         if self.lock is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from attncheck.numerics import Comparison
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RECORDS_DIR = "records"
 RECORDS_SUFFIX = ".jsonl"
 STARTED_SUFFIX = ".started"

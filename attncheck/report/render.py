@@ -70,6 +70,8 @@ def render_markdown(report: Report) -> str:
         out += ["## Nothing verified", ""] + [f"- {md(p)}" for p in report.unverified] + [""]
     if report.problems:
         out += ["## Gate problems", ""] + [f"- {md(p)}" for p in report.problems] + [""]
+    if report.limitations:
+        out += ["## Not runnable in interpret mode", ""] + [f"- {md(p)}" for p in report.limitations] + [""]
     if failing:
         out += ["## Failures", "", "| kernel | impl | backend | direction | case | reason | reproduce |",
                 "|---|---|---|---|---|---|---|"]
@@ -235,6 +237,7 @@ def render_html(report: Report) -> str:
         for r in report.failing)
     problems = "".join(f"<li>{esc(p)}</li>" for p in [*report.unverified, *report.problems])
     skipped = "".join(f"<li><code>{esc(s.backend)}</code>: {esc(s.reason)}</li>" for s in report.skipped_backends)
+    limitations = "".join(f"<li>{esc(line)}</li>" for line in report.limitations)
     coverage = "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n.cases}</td><td>{n.failures}</td></tr>"
         for k, classes in report.coverage.items() for c, n in sorted(classes.items()))
@@ -251,6 +254,7 @@ tr.bad td {{ background: #fde0e0; }} .status {{ font-size: 1.6em; font-weight: b
 <p class="status {'pass' if ok else 'fail'}">{esc(report.verdict)}</p>
 <p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; run <code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
+{'<h2>Not runnable in interpret mode</h2><ul>' + limitations + '</ul>' if limitations else ''}
 {'<h2>Failures</h2><table><tr><th>kernel</th><th>backend</th><th>direction</th><th>case</th><th>reason</th><th>reproduce</th></tr>' + failures + '</table>' if failures else ''}
 <h2>Plots</h2><div class="plots">
 {length_plots}
