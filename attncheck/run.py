@@ -193,12 +193,12 @@ class GateRun:
                 pytest.param(test, id=test.id, marks=self._marks(test))
                 for test in selection.gate_tests(self.options)])
         if "gate_invalid" in metafunc.fixturenames:
-            # One test per validation branch of each family; a family that declares none
-            # simply contributes no test.
+            # One test per validation branch of each family and implementation under test (a
+            # user's implementation must reject what the convention rejects); a family that
+            # declares none simply contributes no test.
             metafunc.parametrize("gate_invalid", [
-                pytest.param(call, id=f"{spec.name}-{call.description}",
-                             marks=pytest.mark.attncheck_family(spec.name))
-                for spec in self.options.selected_specs() for call in spec.invalid_calls()])
+                pytest.param(test, id=test.id, marks=pytest.mark.attncheck_family(test.spec.name))
+                for test in selection.invalid_input_tests(self.options)])
 
     @staticmethod
     def _marks(test: selection.GateTest) -> list:

@@ -35,8 +35,8 @@ class InvalidCall:
 
     description: str
     call: Callable[[], Any]
-    error: type[BaseException] | tuple[type[BaseException], ...]
-    match: str  # regex the message must contain (names the offending argument)
+    error: type[BaseException] | tuple[type[BaseException], ...]  # raised by the family's own implementations
+    match: str  # regex the message must contain (names the offending argument): any implementation
 
 
 class KernelSpec(abc.ABC, Generic[P]):
@@ -148,9 +148,11 @@ class KernelSpec(abc.ABC, Generic[P]):
         """Names of the axes of a direction's array, for reproducer messages."""
         return None
 
-    def invalid_calls(self) -> list[InvalidCall]:
-        """Calls the implementation must reject with its own clear error (one per
-        validation branch, so each branch is exercised on every run)."""
+    def invalid_calls(self, impl: Callable) -> list[InvalidCall]:
+        """Calls ``impl`` (any implementation of the convention: the family's own or a
+        user's) must reject with a clear error, one per validation branch, so each branch
+        is exercised on every run. The message naming the argument (``match``) is the
+        contract; ``error`` is the class the family's own implementations raise."""
         return []
 
 

@@ -18,7 +18,7 @@ from attncheck import coverage, oracle
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
-from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "blockwise_ffn"
 SEQ_LENS = (64, 96, 256)
@@ -124,8 +124,8 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
     def index_names(self, direction):
         return {"out": ("batch", "position", "feature"), "dx": ("batch", "position", "feature")}.get(direction)
 
-    def invalid_calls(self):
-        return invalid_ffn_calls(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        return invalid_ffn_calls(impl)
 
 
 def _convention(impl):
@@ -153,8 +153,7 @@ def _grads(call, key, inputs):
     return result
 
 
-def invalid_ffn_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_ffn_calls(impl) -> list[InvalidCall]:
     position_wise, pack = _convention(impl)
     x = jnp.zeros((1, 64, 16), jnp.float32)
     params = pack(jnp.zeros((16, 32)), None, jnp.zeros((32, 16)), None)

@@ -31,7 +31,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
 
 FAMILY = "flash_attention"
 SEQ_LENS = (128, 256, 384, 512)
@@ -274,8 +274,8 @@ class FlashSpec(KernelSpec[FlashParams]):
     def index_names(self, direction):
         return {**ATTENTION_AXES, "dab": BIAS_AXES}.get(direction)
 
-    def invalid_calls(self):
-        return invalid_flash_calls(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        return invalid_flash_calls(impl)
 
 
 def _operands(inputs):
@@ -285,8 +285,7 @@ def _operands(inputs):
     return primals, rest
 
 
-def invalid_flash_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_flash_calls(impl) -> list[InvalidCall]:
     module = sys.modules[impl.__module__]
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128

@@ -27,7 +27,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 ABSENT_SEGMENT = 1000
@@ -205,8 +205,7 @@ class RingSpec(KernelSpec[RingParams]):
     def index_names(self, direction):
         return {**ATTENTION_AXES, "dbias": BIAS_AXES}.get(direction)
 
-    def invalid_calls(self):
-        impl = resolve_impl(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
         x = jnp.zeros((1, 64, 2, 32), jnp.float32)
         call = functools.partial(impl, x, x, x, num_devices=2)
         from jax.sharding import Mesh
@@ -319,9 +318,8 @@ class StandardRingSpec(RingSpec):
     def cases(self):
         return super().cases().map(lambda c: Case(c.family, dataclasses.replace(c.params, bias="none"), c.seed))
 
-    def invalid_calls(self):
-        # The rest of its validation is shared with ring_attention and tested there.
-        impl = resolve_impl(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        # The rest of the builtin's validation is shared with ring_attention and tested there.
         x = jnp.zeros((1, 64, 2, 32), jnp.float32)
         return [InvalidCall("attn_mask_not_boolean", lambda: impl(x, x, x, jnp.ones((1, 1, 32, 64), jnp.float32),
                                                                    num_devices=2), ValueError, r"attn_mask")]
