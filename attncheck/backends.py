@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
+from attncheck import interpret_compat
 from attncheck.compiled import with_vjp
 
 INTERPRET_BASE = dict(uninitialized_memory="nan", out_of_bounds_reads="raise")
@@ -52,9 +53,18 @@ class Backend:
     probe: Callable[[], str | None]  # None when available, else the reason it is not
     variants: tuple[dict, ...] = ()
     max_devices: int | None = None  # cases on more simulated devices are not run here
+    # The TPU generation (device kind) this backend emulates: what kernels that choose
+    # defaults by generation see (interpret_compat.emulated_tpu), and what tpu-lower lowers
+    # for. None: the real device's (tpu) or none (xla).
+    tpu_device_kind: str | None = None
 
     def unavailable_reason(self) -> str | None:
         return self.probe()
+
+    @property
+    def interprets(self) -> bool:
+        """Runs kernels in Pallas TPU interpret mode."""
+        return self.name.startswith("interpret")
 
     def settings(self, seed: int = 0, devices: int = 1, cores: int | None = None) -> dict:
         """The interpreter settings a case with this seed on this many devices runs under
@@ -62,7 +72,7 @@ class Backend:
         the backend's own choice): a kernel written for a megacore chip may hang on one core,
         so such a case gets that many in every variant (grid order and DMA modes still
         rotate)."""
-        if not self.name.startswith("interpret"):
+        if not self.interprets:
             return {}
         if not self.runs_devices(devices):
             raise ValueError(f"backend {self.name} runs cases on at most {self.max_devices} devices; "
@@ -71,6 +81,12 @@ class Backend:
         if cores is not None:
             variant["num_cores_or_threads"] = cores
         return {**INTERPRET_BASE, **variant}
+
+    def recorded_settings(self, seed: int = 0, devices: int = 1, cores: int | None = None) -> dict:
+        """What a record says the case ran under: the interpreter settings and the TPU
+        generation emulated."""
+        emulated = {"emulated_tpu": self.tpu_device_kind} if self.tpu_device_kind else {}
+        return {**self.settings(seed, devices, cores), **emulated}
 
     def runs_devices(self, devices: int) -> bool:
         return self.max_devices is None or devices <= self.max_devices
@@ -81,7 +97,8 @@ class Backend:
         settings = self.settings(seed, devices, cores)
         if settings:
             try:
-                with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):
+                with interpret_compat.emulated_tpu(self.tpu_device_kind), interpret_compat.ref_views(), \
+                        pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):
                     yield
             except BaseException:
                 # The interpreter's shared state is left inconsistent by an exception.
@@ -91,11 +108,13 @@ class Backend:
             yield
 
 
-# Mosaic lowering asks the TPU generation; without a TPU, an abstract mesh names one.
-TPU_EXPORT_DEVICE_KIND = "TPU v5 lite"
+# The TPU generation the backends without a TPU emulate. Mosaic lowering asks it; without a
+# TPU, an abstract mesh names it (and interpret_compat.emulated_tpu for the kernels that ask
+# jax.devices()).
+EMULATED_TPU = "TPU v5 lite"
 
 
-def export_for_tpu(fn: Callable, *args, device_kind: str | None = TPU_EXPORT_DEVICE_KIND):
+def export_for_tpu(fn: Callable, *args, device_kind: str | None = EMULATED_TPU):
     """``jax.export`` of ``fn`` for platform tpu (arrays or ShapeDtypeStructs as args).
 
     ``device_kind=None`` exports without the abstract mesh: a function that runs its own
@@ -108,11 +127,11 @@ def export_for_tpu(fn: Callable, *args, device_kind: str | None = TPU_EXPORT_DEV
         (1,), ("export",), (jax.sharding.AxisType.Explicit,),
         abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1,
                                                     platform="tpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), interpret_compat.emulated_tpu(device_kind):
         return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
 
 
-def tpu_exports(forward: Callable, primals, cotangent, *rest, device_kind: str | None = TPU_EXPORT_DEVICE_KIND
+def tpu_exports(forward: Callable, primals, cotangent, *rest, device_kind: str | None = EMULATED_TPU
                 ) -> dict[str, Callable[[], object]]:
     """The tpu-lower directions of a differentiable kernel: thunks exporting
     ``forward(*primals, *rest)`` ("lower-fwd") and it with the VJP of its primals
@@ -137,9 +156,10 @@ def _tpu_present() -> str | None:
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("interpret", True, _always),
-        Backend("interpret-hazards", True, _always, HAZARD_VARIANTS, max_devices=MAX_HAZARD_DEVICES),
-        Backend("tpu-lower", False, _always),
+        Backend("interpret", True, _always, tpu_device_kind=EMULATED_TPU),
+        Backend("interpret-hazards", True, _always, HAZARD_VARIANTS, max_devices=MAX_HAZARD_DEVICES,
+                tpu_device_kind=EMULATED_TPU),
+        Backend("tpu-lower", False, _always, tpu_device_kind=EMULATED_TPU),
         Backend("tpu", True, _tpu_present),
         Backend("xla", True, _always),
     )

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from attncheck import numerics
+from attncheck import interpret_compat, numerics
 from attncheck.backends import Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin
@@ -82,7 +82,7 @@ def repro_command(target: Target, case: Case, report_dir: str | None = None) -> 
 def case_run(target: Target, case: Case, report_dir: str | None = None, nodeid: str = "") -> CaseRun:
     """What a record of this case says before any verdict (also its started marker)."""
     spec, p = target.spec, case.params
-    settings = target.backend.settings(case.seed, p.device_count, p.simulated_cores)
+    settings = target.backend.recorded_settings(case.seed, p.device_count, p.simulated_cores)
     return CaseRun(
         case_id=case.id, case=case.to_json(), kernel=spec.name, impl=target.impl_name, impl_ref=target.impl_ref,
         backend=target.backend.name, backend_settings=settings,
@@ -136,8 +136,16 @@ ERROR_HEAD = ERROR_TAIL = 1500
 _TIMEOUT = re.compile(r"Timeout \(?>[0-9.]+s\)?( from pytest-timeout)?")
 
 
-def error_text(exc: BaseException) -> str:
-    """The exception in one string, with its head and its tail (where the cause is)."""
+def error_text(exc: BaseException, *, interpreted: bool = False) -> str:
+    """The exception in one string. Raised in Pallas TPU interpret mode (``interpreted``): a
+    known limitation of the interpreter as ``unsupported by interpret mode: <operation>``,
+    an error raised inside an interpreter callback as its own last line, not the callback's
+    traceback. Else (and always for a timeout, whose text must stay) its head and its tail
+    (where the cause is)."""
+    if interpreted and not timeout_in(exc):
+        line = interpret_compat.interpreter_limitation(exc) or interpret_compat.callback_error_line(exc)
+        if line:
+            return line
     text = f"{type(exc).__name__}: {exc}"
     if len(text) <= ERROR_HEAD + ERROR_TAIL:
         return text
@@ -146,19 +154,18 @@ def error_text(exc: BaseException) -> str:
 
 def timeout_in(exc: BaseException) -> str | None:
     """pytest-timeout's message, if the exception is, wraps or was caused by its failure."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        found = _TIMEOUT.search(str(exc))
+    for error in interpret_compat.exception_chain(exc):
+        found = _TIMEOUT.search(str(error))
         if found:
             return found.group(0)
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
-def _error(base: CaseRun, direction: str, exc: BaseException, timings: dict) -> Record:
-    return Record(**dataclasses.asdict(base), direction=direction, outcome="error", reason=error_text(exc),
-                  traceback=traceback.format_exc(limit=8), timings=dict(timings))
+def _error(base: CaseRun, direction: str, exc: BaseException, timings: dict, *, interpreted: bool = False
+           ) -> Record:
+    return Record(**dataclasses.asdict(base), direction=direction, outcome="error",
+                  reason=error_text(exc, interpreted=interpreted), traceback=traceback.format_exc(limit=8),
+                  timings=dict(timings))
 
 
 # ------------------------------------------------------------------ judging
@@ -232,7 +239,7 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
         if not isinstance(got, dict):
             raise TypeError(f"the spec's run() returned {type(got).__name__}, expected a dict of directions")
     except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
-        record = _error(base, "all", exc, timings)
+        record = _error(base, "all", exc, timings, interpreted=target.backend.interprets)
         return Outcome([record], fatal=timeout_in(exc))
     with timings.phase("oracle"):
         truth = spec.oracle(case, inputs)

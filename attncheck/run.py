@@ -180,6 +180,7 @@ class GateRun:
         from attncheck import backends
 
         lines = [f"  {name}: {'available' if (reason := b.unavailable_reason()) is None else 'skipped: ' + reason}"
+                 + (f" (emulates {b.tpu_device_kind})" if b.tpu_device_kind else "")
                  for name, b in backends.BACKENDS.items()]
         return ["attncheck backends:", *lines,
                 f"attncheck report: {self.report_dir}  hypothesis profile: {settings.get_current_profile_name()}"
@@ -195,14 +196,14 @@ class GateRun:
                 pytest.param(test, id=test.id, marks=self._marks(test))
                 for test in selection.gate_tests(self.options)])
         if "gate_invalid" in metafunc.fixturenames:
-            # One test per validation branch of each family; a family that declares none
-            # simply contributes no test.
+            # One test per validation branch of each family and implementation under test (a
+            # user's implementation must reject what the convention rejects); a family that
+            # declares none simply contributes no test.
             metafunc.parametrize("gate_invalid", [
-                pytest.param(call, id=f"{spec.name}-{call.description}",
-                             marks=[pytest.mark.attncheck_family(spec.name)] + (
-                                 [pytest.mark.xfail(strict=True, reason=f"kernel finding: {call.finding}")]
-                                 if call.finding else []))
-                for spec in self.options.selected_specs() for call in spec.invalid_calls()])
+                pytest.param(test, id=test.id, marks=[pytest.mark.attncheck_family(test.spec.name)] + (
+                    [pytest.mark.xfail(strict=True, reason=f"kernel finding: {test.call.finding}")]
+                    if test.call.finding and test.shipped else []))
+                for test in selection.invalid_input_tests(self.options)])
 
     @staticmethod
     def _marks(test: selection.GateTest) -> list:
@@ -369,6 +370,8 @@ class GateRun:
             terminalreporter.write_line(f"NO CASES: {line}", yellow=True)
         for problem in report.problems:
             terminalreporter.write_line(f"GATE FAILURE: {problem}", red=True)
+        for line in report.limitations:
+            terminalreporter.write_line(f"NOT RUNNABLE: {line}", yellow=True)
 
     def pytest_unconfigure(self, config):
         if self.lock is not None:

@@ -14,7 +14,7 @@ import functools
 from attncheck import coverage, specs
 from attncheck.backends import BACKENDS
 from attncheck.check import Target
-from attncheck.specs.base import KernelSpec, resolve_impl
+from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 COVERAGE = "coverage"
 DRAWN = "drawn"
@@ -75,6 +75,12 @@ class Options:
             overrides[family] = ref
         return overrides
 
+    def implementations(self, spec: KernelSpec) -> dict[str, str]:
+        """The implementations of a family the run verifies, name -> "module:function": the
+        user's (``user``) in place of the family's own when ``--attncheck-impl`` names one."""
+        overrides = self.impl_overrides()
+        return {"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls)
+
     def validate(self) -> None:
         self.backend_names, self.selected_specs(), self.impl_overrides()
 
@@ -110,11 +116,9 @@ def gate_tests(options: Options) -> list[GateTest]:
     """Every test of the generic gate the options ask for (the coverage examples are
     searched here, once per process, or read from their cache)."""
     chosen = options.backend_names
-    overrides = options.impl_overrides()
     tests = []
     for spec in options.selected_specs():
-        impls = {"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls)
-        for impl_name, ref in impls.items():
+        for impl_name, ref in options.implementations(spec).items():
             own = spec.backends_for(impl_name)
             for name in (b for b in own if b in chosen):
                 if name == own[0] and spec.bug_classes:
@@ -122,6 +126,34 @@ def gate_tests(options: Options) -> list[GateTest]:
                               for share in coverage.shares(len(coverage.examples(spec)))]
                 tests.append(GateTest(spec, impl_name, ref, name, DRAWN))
     return tests
+
+
+@dataclasses.dataclass(frozen=True)
+class InvalidInputTest:
+    """One parametrization of the gate's invalid-input test: a call an implementation under
+    test must reject with a clear error."""
+
+    spec: KernelSpec
+    impl_name: str
+    impl_ref: str
+    call: InvalidCall
+
+    @property
+    def id(self) -> str:
+        return f"{self.spec.name}-{self.impl_name}-{self.call.description}"
+
+    @property
+    def shipped(self) -> bool:
+        """One of the family's own implementations: its exception class is part of the
+        contract too (another implementation may reject with its own class)."""
+        return self.spec.default_impls.get(self.impl_name) == self.impl_ref
+
+
+def invalid_input_tests(options: Options) -> list[InvalidInputTest]:
+    """Each invalid call of each family, made to every implementation the run verifies."""
+    return [InvalidInputTest(spec, impl_name, ref, call)
+            for spec in options.selected_specs() for impl_name, ref in options.implementations(spec).items()
+            for call in spec.invalid_calls(resolve_impl(ref))]
 
 
 def unavailable_requests(options: Options) -> list[str]:

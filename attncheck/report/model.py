@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 
-from attncheck import coverage
+from attncheck import coverage, interpret_compat
 from attncheck.report.records import SCHEMA_VERSION, Record
 
 PASS, FAIL, NO_CASES, INCOMPLETE = "PASS", "FAIL", "NO CASES", "INCOMPLETE"
@@ -111,6 +111,9 @@ class Report:
     skipped_backends: list[SkippedBackend]
     problems: list[str]  # why the verdict is FAIL besides failing records
     unverified: list[str]  # what was asked for and verified nothing (NO CASES)
+    # What interpret mode could not run, one line per backend x implementation x operation.
+    # Those cases are error records: this names them, it never changes the verdict.
+    limitations: list[str]
     regressions: list[str] | None  # None: no accepted budgets were given
     records: list[Record]
     mutation: dict | None = None
@@ -211,8 +214,9 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
         verdict=verdict(failures=failures, problems=problems, unverified=unverified, complete=complete),
         totals=Totals(records=len(records), cases=len({(r.kernel, r.case_id) for r in records}), failures=failures),
         summary=summarize(records), coverage=counts, device_growth=device_growth(records),
-        skipped_backends=skipped_backends, problems=problems, unverified=list(unverified), regressions=regressions,
-        records=records, mutation=mutation, shard=shard)
+        skipped_backends=skipped_backends, problems=problems, unverified=list(unverified),
+        limitations=interpret_compat.limitation_lines(records), regressions=regressions, records=records,
+        mutation=mutation, shard=shard)
 
 
 def placeholder(run_id: str) -> Report:
@@ -221,4 +225,4 @@ def placeholder(run_id: str) -> Report:
                   summary=[], coverage={}, device_growth=[], skipped_backends=[],
                   problems=[f"run {run_id} is in progress, or died before its report was merged: "
                             f"`attncheck report --run {run_id}` merges what it recorded"],
-                  unverified=[], regressions=None, records=[])
+                  unverified=[], limitations=[], regressions=None, records=[])

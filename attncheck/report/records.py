@@ -25,7 +25,7 @@ from typing import Any
 from attncheck.numerics import Comparison
 from attncheck.report.errormap import ErrorMap
 
-# 3: records may carry an error map.
+# 3: records may carry an error map; reports list the interpreter's limitations.
 SCHEMA_VERSION = 3
 RECORDS_DIR = "records"
 RECORDS_SUFFIX = ".jsonl"

@@ -100,6 +100,8 @@ def render_markdown(report: Report) -> str:
         out += ["## Nothing verified", ""] + [f"- {md(p)}" for p in report.unverified] + [""]
     if report.problems:
         out += ["## Gate problems", ""] + [f"- {md(p)}" for p in report.problems] + [""]
+    if report.limitations:
+        out += ["## Not runnable in interpret mode", ""] + [f"- {md(p)}" for p in report.limitations] + [""]
     if failing:
         out += ["## Failures", "", "| kernel | impl | backend | direction | case | reason | reproduce |",
                 "|---|---|---|---|---|---|---|"]
@@ -360,6 +362,7 @@ def render_html(report: Report, accepted: list[acc.AcceptedBudget] | None = None
         + "</tr>" for row in report.summary)
     problems = "".join(f"<li>{esc(p)}</li>" for p in [*report.unverified, *report.problems])
     skipped = "".join(f"<li><code>{esc(s.backend)}</code>: {esc(s.reason)}</li>" for s in report.skipped_backends)
+    limitations = "".join(f"<li>{esc(line)}</li>" for line in report.limitations)
     coverage = "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n.cases}</td><td>{n.failures}</td></tr>"
         for k, classes in report.coverage.items() for c, n in sorted(classes.items()))
@@ -389,6 +392,7 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 <p class="nav">{nav}</p>
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
 {failures}
+{'<h2>Not runnable in interpret mode</h2><ul>' + limitations + '</ul>' if limitations else ''}
 <h2 id="overview">Overview</h2>
 {plots.colorbar()}
 <div class="plots"><figure>{_overview_heatmap(report)}</figure></div>

@@ -36,11 +36,11 @@ class InvalidCall:
 
     description: str
     call: Callable[[], Any]
-    error: type[BaseException] | tuple[type[BaseException], ...]
-    match: str  # regex the message must contain (names the offending argument)
-    # A kernel finding: the default implementation accepts this call today. Its test is a
-    # strict xfail with this text as the reason, so it turns into a failure the day the
-    # kernel rejects the call (then drop the finding).
+    error: type[BaseException] | tuple[type[BaseException], ...]  # raised by the family's own implementations
+    match: str  # regex the message must contain (names the offending argument): any implementation
+    # A kernel finding: the family's own implementation accepts this call today. Its test on
+    # that implementation is a strict xfail with this text as the reason, so it turns into a
+    # failure the day the kernel rejects the call (then drop the finding).
     finding: str | None = None
 
 
@@ -161,9 +161,11 @@ class KernelSpec(abc.ABC, Generic[P]):
         names = self.index_names(direction)
         return None if names is None else ErrorMapLayout.last_axes(names)
 
-    def invalid_calls(self) -> list[InvalidCall]:
-        """Calls the implementation must reject with its own clear error (one per
-        validation branch, so each branch is exercised on every run)."""
+    def invalid_calls(self, impl: Callable) -> list[InvalidCall]:
+        """Calls ``impl`` (any implementation of the convention: the family's own or a
+        user's) must reject with a clear error, one per validation branch, so each branch
+        is exercised on every run. The message naming the argument (``match``) is the
+        contract; ``error`` is the class the family's own implementations raise."""
         return []
 
 

@@ -279,18 +279,15 @@ class DPASpec(KernelSpec[DPAParams]):
                 "dk": ("batch", "key", "kv_head", "dim"), "dv": ("batch", "key", "kv_head", "dim"),
                 "dbias": BIAS_AXES}.get(direction)
 
-    def invalid_calls(self):
-        return [dataclasses.replace(c, description=f"{impl_name}-{c.description}")
-                for impl_name, ref in self.default_impls.items()
-                for c in invalid_dpa_calls(ref, adapter=impl_name == "flash")]
+    def invalid_calls(self, impl):
+        return invalid_dpa_calls(impl, adapter=impl is resolve_impl(self.default_impls["flash"]))
 
 
-def invalid_dpa_calls(ref: str, *, adapter: bool = False) -> list[InvalidCall]:
+def invalid_dpa_calls(impl, *, adapter: bool = False) -> list[InvalidCall]:
     """Calls the convention rules out; every implementation must reject them with an error
     naming the argument (the exception class is the implementation's). The flash adapter
     also rejects what jax.nn lets through: float16 (the kernel has no float16), a mask head
     axis neither 1 nor N (jax.nn: a bare AssertionError), a negative window (jax.nn: accepted)."""
-    impl = resolve_impl(ref)
     b, t, s, n, k, h = 2, 8, 128, 4, 2, 64
     f32 = jnp.float32
     query, key = jnp.zeros((b, t, n, h), f32), jnp.zeros((b, s, k, h), f32)

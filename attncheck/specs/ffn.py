@@ -18,7 +18,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "blockwise_ffn"
 SEQ_LENS = (64, 96, 256)
@@ -134,8 +134,8 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
             return ErrorMapLayout(self.index_names(direction), 1, 2, (every("chunk", p.chunk_size, p.seq_len),))
         return super().error_map_layout(case, direction)
 
-    def invalid_calls(self):
-        return invalid_ffn_calls(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        return invalid_ffn_calls(impl)
 
 
 def _convention(impl):
@@ -163,8 +163,7 @@ def _grads(call, key, inputs):
     return result
 
 
-def invalid_ffn_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_ffn_calls(impl) -> list[InvalidCall]:
     position_wise, pack = _convention(impl)
     x = jnp.zeros((1, 64, 16), jnp.float32)
     params = pack(jnp.zeros((16, 32)), None, jnp.zeros((32, 16)), None)

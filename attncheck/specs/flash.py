@@ -31,7 +31,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
 
 FAMILY = "flash_attention"
 SEQ_LENS = (128, 256, 384, 512)
@@ -294,8 +294,8 @@ class FlashSpec(KernelSpec[FlashParams]):
                 if direction == "dab" else ())
         return ErrorMapLayout(self.index_names(direction), 2, 3, rows, cols)
 
-    def invalid_calls(self):
-        return invalid_flash_calls(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        return invalid_flash_calls(impl)
 
 
 def _operands(inputs):
@@ -305,8 +305,7 @@ def _operands(inputs):
     return primals, rest
 
 
-def invalid_flash_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_flash_calls(impl) -> list[InvalidCall]:
     module = impl_module(impl)
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128

@@ -37,7 +37,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key
-from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "paged_attention"
 # (batch, q_heads, kv_heads, head_dim, page_size, pages_per_sequence): head_dim a multiple
@@ -291,12 +291,11 @@ class PagedSpec(KernelSpec[PagedParams]):
     def index_names(self, direction):
         return ("batch", "q_head", "dim")
 
-    def invalid_calls(self):
-        return invalid_paged_calls(self.default_impls["jax"])
+    def invalid_calls(self, impl):
+        return invalid_paged_calls(impl)
 
 
-def invalid_paged_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_paged_calls(impl) -> list[InvalidCall]:
     batch, q_heads, kv_heads, head_dim, page_size, pages = 2, 4, 2, 128, 16, 4
     pool = np.zeros((kv_heads, batch * pages, page_size, head_dim), np.float32)
     good = dict(q=np.zeros((batch, q_heads, head_dim), np.float32), k_pages=pool, v_pages=pool,

@@ -23,9 +23,11 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "ragged_paged_attention"
+# The convention's array arguments, passed positionally.
+ARRAY_ARGS = ("queries", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 # Static buckets: every case of a bucket reuses one compiled kernel; the ragged structure
 # (lengths, page tables, num_seqs) is data.
 MAX_TOKENS = 64
@@ -255,7 +257,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                                   num_queries_per_block=p.num_queries_per_block)
 
     def _args(self, inputs):
-        return tuple(inputs[n] for n in ("queries", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"))
+        return tuple(inputs[n] for n in ARRAY_ARGS)
 
     def run(self, impl, case, inputs):
         # Called eagerly: the kernel validates concrete metadata, then runs its own jit.
@@ -320,8 +322,8 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                               (every("q block", p.q_block_tokens, MAX_TOKENS), ("sequence end", ends)),
                               (every("kv head", p.num_q_heads // p.num_kv_heads, p.num_q_heads),))
 
-    def invalid_calls(self):
-        return invalid_ragged_calls(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        return invalid_ragged_calls(impl)
 
 
 def _pad_metadata(padding: str, rng, kv_lens, cu, num_seqs) -> None:
@@ -342,8 +344,7 @@ def _kv_compute_dtype(q_dtype, kv_dtype, scale):
     return np.promote_types(q_dtype, kv_dtype)
 
 
-def invalid_ragged_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_ragged_calls(impl) -> list[InvalidCall]:
     page_size, pages, seqs, tokens, hq, hkv = 16, 8, 2, 16, 4, 2
     good = dict(queries=np.zeros((tokens, hq, HEAD_DIM), np.float32),
                 kv_pages=np.zeros((pages * seqs, page_size, 2 * hkv, HEAD_DIM), np.float32),
@@ -391,11 +392,17 @@ def invalid_ragged_calls(ref: str) -> list[InvalidCall]:
         "sm_scale_not_finite": (dict(sm_scale=float("inf")), r"sm_scale"),
         "mask_value_not_negative": (dict(mask_value=0.0), r"mask_value"),
     }
-    calls = [InvalidCall(kind, lambda change=change: impl(**{**good, **change}, sm_scale=0.1),
-                         (ValueError, TypeError), match) for kind, (change, match) in bad.items()]
-    calls += [InvalidCall(kind, lambda change=change: impl(**good, **{"sm_scale": 0.1, **change}),
-                          (ValueError, TypeError), match) for kind, (change, match) in options.items()]
-    return calls
+
+    def call(arrays=None, keywords=None):
+        # The arrays positionally, as the convention passes them (implementations name the
+        # first one differently: queries, q).
+        arrays = {**good, **(arrays or {})}
+        return lambda: impl(*(arrays[n] for n in ARRAY_ARGS), **{"sm_scale": 0.1, **(keywords or {})})
+
+    return [InvalidCall(kind, call(arrays=change), (ValueError, TypeError), match)
+            for kind, (change, match) in bad.items()] + [
+            InvalidCall(kind, call(keywords=change), (ValueError, TypeError), match)
+            for kind, (change, match) in options.items()]
 
 
 SPEC = RaggedSpec()

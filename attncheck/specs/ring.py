@@ -28,7 +28,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 ABSENT_SEGMENT = 1000
@@ -220,8 +220,7 @@ class RingSpec(KernelSpec[RingParams]):
         rows = bounds("query_chunk_size" if direction in ("out", "dq") else "key_chunk_size")
         return ErrorMapLayout(ATTENTION_AXES[direction], 2, 3, rows)
 
-    def invalid_calls(self):
-        impl = resolve_impl(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
         x = jnp.zeros((1, 64, 2, 32), jnp.float32)
         call = functools.partial(impl, x, x, x, num_devices=2)
         from jax.sharding import Mesh
@@ -334,9 +333,8 @@ class StandardRingSpec(RingSpec):
     def cases(self):
         return super().cases().map(lambda c: Case(c.family, dataclasses.replace(c.params, bias="none"), c.seed))
 
-    def invalid_calls(self):
-        # The rest of its validation is shared with ring_attention and tested there.
-        impl = resolve_impl(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        # The rest of the builtin's validation is shared with ring_attention and tested there.
         x = jnp.zeros((1, 64, 2, 32), jnp.float32)
         return [InvalidCall("attn_mask_not_boolean", lambda: impl(x, x, x, jnp.ones((1, 1, 32, 64), jnp.float32),
                                                                    num_devices=2), ValueError, r"attn_mask")]

@@ -36,7 +36,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
-from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "splash_attention"
 NUM_LANES = 128  # every block size here is a multiple of it (backward q blocks must be, to lower)
@@ -591,8 +591,8 @@ class SplashSpec(KernelSpec[SplashParams]):
         return {"out": ("head", "query", "dim"), "dq": ("head", "query", "dim"), "dk": ("kv_head", "key", "dim"),
                 "dv": ("kv_head", "key", "dim")}.get(direction)
 
-    def invalid_calls(self):
-        return invalid_splash_calls(self.default_impls["builtin"])
+    def invalid_calls(self, impl):
+        return invalid_splash_calls(impl)
 
 
 def _with_head_axis(p: SplashParams, grad) -> np.ndarray:
@@ -601,8 +601,7 @@ def _with_head_axis(p: SplashParams, grad) -> np.ndarray:
     return grad[None] if p.api == "mqa" else grad
 
 
-def invalid_splash_calls(ref: str) -> list[InvalidCall]:
-    impl = resolve_impl(ref)
+def invalid_splash_calls(impl) -> list[InvalidCall]:
     module = impl_module(impl)
     mask_lib = module.mask_lib
     h, s, d = 2, 256, 128

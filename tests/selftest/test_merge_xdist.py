@@ -26,8 +26,10 @@ USER_TEST = USER_TESTS["drawn"]
 # Runs that plant an interruption or a hang in one test leave the coverage test out, so
 # that exactly one test meets it.
 DRAWN_ONLY = ("-k", "not coverage")
-# The gate module also checks that each invalid call of the family is rejected.
-INVALID_TESTS = len(toy_spec.SPEC.invalid_calls())
+# The gate module also checks that each implementation under test rejects each invalid call
+# of the family: INVALID_TESTS per implementation.
+INVALID_TESTS = len(toy_spec.SPEC.invalid_calls(toy_spec.toy_attention))
+DEFAULT_TESTS = len(toy_spec.SPEC.default_impls) * (2 + INVALID_TESTS)  # coverage, drawn, invalid calls
 
 
 @pytest.fixture
@@ -77,7 +79,7 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
     reports = {}
     for n, report_name in runs.items():
         assert procs[n].returncode == 0, outputs[n]
-        assert f"{2 * len(toy_spec.SPEC.default_impls) + INVALID_TESTS} passed" in outputs[n], outputs[n]
+        assert f"{DEFAULT_TESTS} passed" in outputs[n], outputs[n]
         report = reports[n] = check_report(gate_dir / report_name, validator)
         assert report["complete"] is True and report["problems"] == [], report["problems"]
         records = report["records"]
@@ -95,10 +97,11 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
         # The controller saw every test's duration, whichever worker ran it.
         durations = scheduling.load(gate_dir / report_name / scheduling.REPORT_FILE)
         assert all(durations[r["nodeid"]] > 0 for r in records)
-        assert len(durations) == 2 * len(toy_spec.SPEC.default_impls) + INVALID_TESTS
+        assert len(durations) == DEFAULT_TESTS
         # Each invalid-input test timed its kernel call itself, whichever worker ran it.
         kernel_times = rec.kernel_times_outside_records(gate_dir / report_name, report["run_id"])
-        assert len(kernel_times) == INVALID_TESTS and all(t >= 0 for t in kernel_times)
+        assert len(kernel_times) == len(toy_spec.SPEC.default_impls) * INVALID_TESTS
+        assert all(t >= 0 for t in kernel_times)
     assert comparisons(reports["0"]) == comparisons(reports["2"]) == comparisons(reports["auto"])
     # The runs did not mix: three run ids, each report holding only its own.
     assert len({r["run_id"] for r in reports.values()}) == 3

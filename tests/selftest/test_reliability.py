@@ -135,7 +135,7 @@ def test_a_hang_stops_its_test_once_names_the_case_and_the_run_goes_on(gate_dir,
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     # The coverage and the drawn test each time out once: no second timeout for a replay,
     # no next case after the first hang.
-    result.assert_outcomes(failed=2, passed=len(toy_spec.SPEC.invalid_calls()))
+    result.assert_outcomes(failed=2, passed=len(toy_spec.SPEC.invalid_calls(getattr(chaos, name))))
     assert elapsed < 4 * SHORT_TIMEOUT_S + 60, elapsed
     report = report_of(gate_dir)
     assert report["verdict"] == "FAIL"
@@ -173,6 +173,50 @@ def test_a_process_that_dies_leaves_incomplete_not_the_previous_pass_and_can_be_
     lost = [r for r in merged["records"] if r["outcome"] == "error"]
     assert len(lost) == 1 and named(lost[0]) and "never finished" in lost[0]["reason"]
     assert len([r for r in merged["records"] if r["outcome"] == "pass"]) == 4 * (chaos.MISBEHAVE_AT - 1)
+
+
+# ------------------------------------------------------------------ invalid inputs
+def invalid_input_test(impl_name: str, fn) -> "selection.InvalidInputTest":
+    from attncheck import selection
+
+    rank, = [c for c in toy_spec.SPEC.invalid_calls(fn) if c.description == "rank"]
+    ref = toy_spec.SPEC.default_impls.get(impl_name, f"{CHAOS}:{fn.__name__}")
+    return selection.InvalidInputTest(toy_spec.SPEC, impl_name, ref, rank)
+
+
+@pytest.mark.parametrize("impl_name, fn, failure", [
+    ("user", chaos.accepts_invalid_inputs, r"toy_attention/user \(tests\.selftest\.chaos:accepts_invalid_inputs\) "
+                                           r"accepted invalid input silently: rank returned without an error"),
+    ("user", chaos.rejects_vaguely, r"rejected rank without naming the argument: 'ValueError: invalid input'"),
+    ("user", chaos.rejects_with_its_own_class, None),  # its own class, a message naming q: the contract
+    ("builtin", chaos.rejects_with_its_own_class, r"rejected rank with ToyInputError, expected <class 'ValueError'>"),
+    ("builtin", toy_spec.toy_attention, None),
+])
+def test_the_invalid_input_test_holds_every_implementation_to_a_message_naming_the_argument(impl_name, fn, failure):
+    import contextlib
+
+    from attncheck.gate import test_gate
+
+    def run():
+        test_gate.test_invalid_input_is_rejected_clearly(invalid_input_test(impl_name, fn), contextlib.nullcontext)
+
+    if failure is None:
+        run()
+    else:
+        with pytest.raises((AssertionError, pytest.fail.Exception), match=failure):
+            run()
+
+
+def test_an_implementation_under_test_that_accepts_invalid_input_fails_the_gate(gate_dir, pytester):
+    result = toy_spec.run_gate(pytester, "rep", impl("accepts_invalid_inputs"), "-k", "invalid_input")
+    # The user's implementation, not the builtin, met each invalid call of the family.
+    result.assert_outcomes(failed=len(toy_spec.SPEC.invalid_calls(chaos.accepts_invalid_inputs)))
+    result.stdout.fnmatch_lines(["FAILED *test_invalid_input_is_rejected_clearly[[]toy_attention-user-rank[]]*"])
+    report = report_of(gate_dir)
+    assert report["verdict"] == "FAIL"
+    assert any("[toy_attention-user-kv_head_dim] failed without a failing record: Failed: toy_attention/user "
+               f"({CHAOS}:accepts_invalid_inputs) accepted invalid input silently: kv_head_dim" in p
+               for p in report["problems"]), report["problems"]
 
 
 # ------------------------------------------------------------------ one report directory, one run

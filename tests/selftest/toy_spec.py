@@ -19,9 +19,12 @@ Implementations (all with the family's calling convention):
 - ``toy_attention_mixed``: wrong on causal cases only: a run yields pass records, then the
   fail records of the first causal case;
 - ``toy_attention_crash``: raises ValueError (error records);
-- ``toy_attention_interrupt``: raises KeyboardInterrupt on its INTERRUPT_AT-th call (it runs
-  eagerly, so its N-th call is the N-th case);
+- ``toy_attention_interrupt``: raises KeyboardInterrupt on its INTERRUPT_AT-th call with valid
+  inputs (it runs eagerly, so its N-th such call is the N-th case);
 - ``toy_attention_hang``: never returns (for the per-test timeout).
+
+The last two reject invalid inputs as the convention requires (the gate's invalid-input
+tests call every implementation under test) and misbehave only on valid ones.
 
 If ``ATTNCHECK_TOY_CALL_LOG`` names a file, every executed case appends one line
 "<pid> <impl_ref> <case_id>" to it: an independent count of the comparisons a run made.
@@ -63,7 +66,7 @@ _MASKED_LOGIT = -1e30
 
 
 # ---------------------------------------------------------------------- implementations
-def _validate(q, k, v):
+def validate(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got shape {x.shape}")
@@ -85,19 +88,19 @@ def _weighted(p, v, dtype):
 
 
 def toy_attention(q, k, v, *, causal: bool, sm_scale: float):
-    _validate(q, k, v)
+    validate(q, k, v)
     return _weighted(jax.nn.softmax(_logits(q, k, causal, sm_scale), axis=-1), v, q.dtype)
 
 
 def toy_attention_lse(q, k, v, *, causal: bool, sm_scale: float):
-    _validate(q, k, v)
+    validate(q, k, v)
     s = _logits(q, k, causal, sm_scale)
     return _weighted(jnp.exp(s - jax.nn.logsumexp(s, axis=-1, keepdims=True)), v, q.dtype)
 
 
 def toy_attention_chunked(q, k, v, *, causal: bool, sm_scale: float):
     """Online softmax over two key chunks (the flash-attention recurrence, in jnp)."""
-    _validate(q, k, v)
+    validate(q, k, v)
     s = _logits(q, k, causal, sm_scale)
     half = s.shape[-1] // 2
     acc = denom = m = None
@@ -143,6 +146,7 @@ _calls = {"interrupt": 0}
 
 
 def toy_attention_interrupt(q, k, v, *, causal: bool, sm_scale: float):
+    validate(q, k, v)
     _calls["interrupt"] += 1
     if _calls["interrupt"] >= INTERRUPT_AT:
         raise KeyboardInterrupt(f"toy: interrupted on call {_calls['interrupt']}")
@@ -153,6 +157,7 @@ toy_attention_interrupt.toy_eager = True  # called (not traced once per shape) f
 
 
 def toy_attention_hang(q, k, v, *, causal: bool, sm_scale: float):
+    validate(q, k, v)
     while True:  # a kernel that never returns: only the per-test timeout ends it
         time.sleep(0.05)
 
@@ -194,7 +199,7 @@ def _log_call(impl, case: Case) -> None:
 
 class ToySpec(KernelSpec[ToyParams]):
     name = FAMILY
-    # Three implementations: with the two invalid-call tests, xdist's initial chunks of two
+    # Three implementations: with their invalid-call tests, xdist's initial chunks of two
     # tests put gate tests on two workers, so a -n 2 merge really joins several files.
     default_impls = {"builtin": "tests.selftest.toy_spec:toy_attention",
                      "lse": "tests.selftest.toy_spec:toy_attention_lse",
@@ -256,16 +261,16 @@ class ToySpec(KernelSpec[ToyParams]):
         keys = (every("key chunk", p.seq_len // 2, p.seq_len),) if direction in ("dk", "dv") else ()
         return ErrorMapLayout(self.index_names(direction), 2, 3, keys)
 
-    def invalid_calls(self):
-        return invalid_toy_calls()
+    def invalid_calls(self, impl):
+        return invalid_toy_calls(impl)
 
 
-def invalid_toy_calls() -> list[InvalidCall]:
+def invalid_toy_calls(impl) -> list[InvalidCall]:
     q = jnp.zeros((1, 1, 8, HEAD_DIM), jnp.float32)
     k = jnp.zeros((1, 1, 8, 2 * HEAD_DIM), jnp.float32)
-    return [InvalidCall("rank", lambda: toy_attention(q[0], q[0], q[0], causal=False, sm_scale=1.0),
+    return [InvalidCall("rank", lambda: impl(q[0], q[0], q[0], causal=False, sm_scale=1.0),
                         ValueError, r"\bq\b must have rank 4"),
-            InvalidCall("kv_head_dim", lambda: toy_attention(q, k, k, causal=False, sm_scale=1.0),
+            InvalidCall("kv_head_dim", lambda: impl(q, k, k, causal=False, sm_scale=1.0),
                         ValueError, r"\bk\b and v must have the shape of q")]
 
 

@@ -1,0 +1,393 @@
+"""interpret_compat: the emulated TPU generation, ref views in the TPU interpreter, the
+masked-store workaround, and the one-line naming of interpreter limitations."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+from attncheck import backends, check
+from attncheck import interpret_compat as ic
+
+INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+
+
+# ----------------------------------------------------------------- TPU generation
+
+RPA_KEY = (jnp.float32, jnp.float32, 2, 1, 128, 16, 64, 8)  # dtypes, heads, head_dim, page, tokens, pages
+
+
+def test_outside_a_tpu_jaxs_rpa_cannot_pick_its_default_block_sizes():
+    assert tuned_block_sizes.get_tpu_version() == -1
+    with pytest.raises(NotImplementedError, match="TPU version must be 4 or higher"):
+        tuned_block_sizes.get_tuned_block_sizes(*RPA_KEY)
+
+
+def test_emulated_tpu_answers_the_generation_and_is_undone_on_exit():
+    with ic.emulated_tpu("TPU v5 lite"):
+        # jax's own lookup code runs unchanged and sees the emulated chip.
+        assert tuned_block_sizes.get_tpu_version() == 5
+        assert tuned_block_sizes.get_device_name() == "TPU v5"
+        # Untuned generation >= 5: (128, 32) capped by pages per sequence and tokens.
+        assert tuned_block_sizes.get_tuned_block_sizes(*RPA_KEY) == (8, 32)
+        # Nothing else sees it: jax.devices() itself still names the CPU.
+        assert "TPU" not in jax.devices()[0].device_kind
+    with ic.emulated_tpu("TPU v4"):
+        assert tuned_block_sizes.get_tuned_block_sizes(*RPA_KEY) == (8, 32)  # v4: (32, 32) capped
+        assert tuned_block_sizes.get_tpu_version() == 4
+    assert tuned_block_sizes.jax is jax
+    assert tuned_block_sizes.get_tpu_version() == -1
+
+
+def test_emulated_tpu_is_undone_when_the_block_raises_and_nests():
+    with pytest.raises(RuntimeError), ic.emulated_tpu("TPU v5 lite"):
+        with ic.emulated_tpu("TPU v6 lite"):
+            assert tuned_block_sizes.get_tpu_version() == 6
+        assert tuned_block_sizes.get_tpu_version() == 5
+        raise RuntimeError("kernel crashed")
+    assert tuned_block_sizes.jax is jax
+
+
+def test_emulated_tpu_rejects_a_kind_that_is_not_a_tpu():
+    with pytest.raises(ValueError, match="device_kind must name a TPU"), ic.emulated_tpu("cpu"):
+        pass
+    with ic.emulated_tpu(None):  # native backends: no change
+        assert tuned_block_sizes.jax is jax
+
+
+def test_backends_state_the_generation_they_emulate_and_enter_it():
+    kinds = {name: b.tpu_device_kind for name, b in backends.BACKENDS.items()}
+    assert kinds == {"interpret": "TPU v5 lite", "interpret-hazards": "TPU v5 lite", "tpu-lower": "TPU v5 lite",
+                     "tpu": None, "xla": None}
+    interpret = backends.BACKENDS["interpret"]
+    assert interpret.recorded_settings(0) == {**interpret.settings(0), "emulated_tpu": "TPU v5 lite"}
+    assert backends.BACKENDS["xla"].recorded_settings(0) == {}
+    with interpret.context():
+        assert tuned_block_sizes.get_tpu_version() == 5
+    assert tuned_block_sizes.get_tpu_version() == -1
+    with backends.BACKENDS["xla"].context():
+        assert tuned_block_sizes.get_tpu_version() == -1
+
+
+def test_the_pytest_header_names_the_emulated_generation():
+    import types
+
+    from attncheck.run import GateRun
+
+    header = GateRun.pytest_report_header(types.SimpleNamespace(report_dir="rep", why="--attncheck"), None)
+    assert "  interpret: available (emulates TPU v5 lite)" in header
+    assert "  tpu-lower: available (emulates TPU v5 lite)" in header
+    assert "  xla: available" in header
+
+
+def test_tpu_lower_exports_jaxs_rpa_with_default_block_sizes():
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    args = (np.zeros((16, 2, 128), np.float32), np.zeros((8, 16, 2, 128), np.float32), np.zeros(2, np.int32),
+            np.zeros((2, 4), np.int32), np.zeros(3, np.int32), np.ones(1, np.int32))
+    exported = backends.export_for_tpu(ragged_paged_attention, *args)
+    assert exported.platforms == ("tpu",)
+    assert tuned_block_sizes.jax is jax
+
+
+# ----------------------------------------------------------------- ref views
+
+
+def run_interpret(kernel, out_shape, *args, views=True):
+    context = ic.ref_views() if views else contextlib.nullcontext()
+    with context, pltpu.force_tpu_interpret_mode(INTERPRET):
+        try:
+            return np.asarray(pl.pallas_call(kernel, out_shape=out_shape)(*args))
+        except BaseException:
+            pltpu.reset_tpu_interpret_mode_state()
+            raise
+
+
+X = np.arange(2 * 8 * 128, dtype=np.float32).reshape(2, 8, 128)
+OUT = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+
+
+def odd_rows_via_reshape(x_ref, o_ref):
+    o_ref[...] = x_ref.reshape(16, 128)[1::2, :] * 2.0
+
+
+def odd_rows_via_indexing(x_ref, o_ref):
+    # The same rows without a ref reshape: row 2i+1 of (16, 128) is x[(2i+1) // 8, (2i+1) % 8].
+    o_ref[0:4, :] = x_ref[0, 1::2, :] * 2.0
+    o_ref[4:8, :] = x_ref[1, 1::2, :] * 2.0
+
+
+def test_the_interpreter_alone_rejects_a_ref_reshape():
+    with pytest.raises(Exception, match="'ReshapeTransform' object has no attribute 'indices'") as info:
+        run_interpret(odd_rows_via_reshape, OUT, X, views=False)
+    assert ic.interpreter_limitation(info.value) == (
+        "unsupported by interpret mode: ref reshape (ReshapeTransform) where the interpreter takes only "
+        "indexers (a DMA, a semaphore)")
+
+
+def test_a_reshaped_read_matches_numpy_and_the_kernel_without_reshape():
+    got = run_interpret(odd_rows_via_reshape, OUT, X)
+    np.testing.assert_array_equal(got, X.reshape(16, 128)[1::2] * 2.0)
+    np.testing.assert_array_equal(got, run_interpret(odd_rows_via_indexing, OUT, X))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "interpret-hazards"])
+def test_the_interpret_backends_run_a_reshaped_ref(backend):
+    with backends.BACKENDS[backend].context(seed=1):
+        got = np.asarray(pl.pallas_call(odd_rows_via_reshape, out_shape=OUT)(X))
+    np.testing.assert_array_equal(got, X.reshape(16, 128)[1::2] * 2.0)
+
+
+def test_a_read_whose_elements_are_no_box_reads_the_whole_view():
+    def kernel(x_ref, o_ref):  # rows 3..10 of the flattened view cross the first axis
+        o_ref[...] = x_ref.reshape(16, 128)[3:11, :]
+
+    np.testing.assert_array_equal(run_interpret(kernel, OUT, X), X.reshape(16, 128)[3:11])
+
+
+def test_a_transposed_read_after_a_reshape():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref.reshape(8, 256).T[0:128:16, :]
+
+    got = run_interpret(kernel, jax.ShapeDtypeStruct((8, 8), jnp.float32), X)
+    np.testing.assert_array_equal(got, X.reshape(8, 256).T[0:128:16])
+
+
+def test_a_bitcast_read_packs_rows_as_jax_defines_it():
+    """RPA's strided K/V load: bf16 rows bitcast to uint32 pairs, then a strided row read."""
+    kv = (np.arange(16 * 128) % 251).astype(ml_dtypes.bfloat16).reshape(2, 8, 128)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref.reshape(16, 128).bitcast(jnp.uint32)[1::2, :]
+
+    got = run_interpret(kernel, jax.ShapeDtypeStruct((4, 128), jnp.uint32), kv)
+    from jax._src.state import utils as state_utils
+
+    want = np.asarray(state_utils.bitcast(jnp.asarray(kv.reshape(16, 128)), jnp.uint32))[1::2]
+    np.testing.assert_array_equal(got, want)
+    # Row 2a in the low half of word a: K (even row) = word << 16.
+    low = (got << 16).view(np.float32).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(low, kv.reshape(16, 128)[2::4])
+
+
+@pytest.mark.parametrize("src, dst, shape", [
+    (ml_dtypes.bfloat16, np.uint32, (2, 8, 128)), (np.uint32, ml_dtypes.bfloat16, (4, 128)),
+    (np.int8, np.uint32, (8, 128)), (np.uint32, np.int8, (2, 128)), (ml_dtypes.float8_e4m3fn, np.int8, (4, 128)),
+    (np.float32, np.int32, (8, 128))])
+def test_np_bitcast_equals_jaxs_ref_bitcast_semantics(src, dst, shape):
+    from jax._src.state import utils as state_utils
+
+    x = np.random.default_rng(0).integers(0, 120, size=shape).astype(src)
+    want = np.asarray(state_utils.bitcast(jnp.asarray(x), dst))
+    got = ic.np_bitcast(x, dst)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_a_store_through_a_reshaped_ref_writes_exactly_its_elements():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.full(o_ref.shape, -1.0, jnp.float32)
+        o_ref.reshape(16, 128)[1::2, :] = x_ref[...]
+
+    x = np.arange(8 * 128, dtype=np.float32).reshape(8, 128)
+    got = run_interpret(kernel, jax.ShapeDtypeStruct((2, 8, 128), jnp.float32), x)
+    want = np.full((16, 128), -1.0, np.float32)
+    want[1::2] = x
+    np.testing.assert_array_equal(got, want.reshape(2, 8, 128))
+
+
+def test_a_store_that_is_no_box_is_named_as_unsupported():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+        o_ref.reshape(16, 128)[3:11, :] = x_ref[...]
+
+    with pytest.raises(Exception) as info:
+        run_interpret(kernel, jax.ShapeDtypeStruct((2, 8, 128), jnp.float32), np.ones((8, 128), np.float32))
+    assert ic.interpreter_limitation(info.value) == (
+        "unsupported by interpret mode: store through a ref view that is not one strided box")
+
+
+def test_an_out_of_bounds_index_after_a_reshape_raises():
+    def kernel(s_ref, x_ref, o_ref):
+        o_ref[...] = x_ref.reshape(16, 128)[pl.ds(s_ref[0], 8), :]
+
+    context = ic.ref_views()
+    with context, pltpu.force_tpu_interpret_mode(INTERPRET):
+        call = pl.pallas_call(kernel, out_shape=OUT,
+                              in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)])
+        np.testing.assert_array_equal(np.asarray(call(np.array([8], np.int32), X)), X[1])
+        with pytest.raises(Exception, match="Out-of-bounds access through a ref view"):
+            call(np.array([12], np.int32), X)
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+def test_ref_views_restores_the_interpreter_on_exit_even_after_an_error():
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    get, swap = ipc.get, ipc.swap
+    with ic.ref_views():
+        with ic.ref_views():
+            assert ipc.get is not get and ipc.swap is not swap
+        assert ipc.get is not get  # the outer block still holds it
+    assert (ipc.get, ipc.swap) == (get, swap)
+    with pytest.raises(RuntimeError), ic.ref_views():
+        raise RuntimeError("kernel crashed")
+    assert (ipc.get, ipc.swap) == (get, swap)
+
+
+# ----------------------------------------------------------------- masked stores
+
+
+def masked_store_to_a_narrow_column(x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (8, 1, 128), 0)
+    pltpu.store(o_ref.at[:, 1:2, :], x_ref[...], mask=rows >= 2)
+
+
+COLUMN_X = np.arange(8 * 128, dtype=np.float32).reshape(8, 1, 128) + 1
+COLUMN_OUT = jax.ShapeDtypeStruct((8, 2, 128), jnp.float32)
+
+
+def test_the_interpreter_alone_calls_an_in_bounds_masked_store_out_of_bounds():
+    """jax 0.12.0.1 shared_memory.py:751-753 (in_bounds_mask[in_bounds_shape[i]:] on axis 0
+    for every i). If this starts passing, jax fixed it and the workaround can go."""
+    with pytest.raises(Exception, match="Out-of-bounds masked swap"):
+        run_interpret(masked_store_to_a_narrow_column, COLUMN_OUT, COLUMN_X, views=False)
+
+
+def test_a_masked_store_to_a_narrow_range_writes_the_masked_rows():
+    got = run_interpret(masked_store_to_a_narrow_column, COLUMN_OUT, COLUMN_X)
+    want = np.zeros((8, 2, 128), np.float32)
+    want[2:, 1:2] = COLUMN_X[2:]
+    np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------- limitations
+
+
+class JaxRuntimeError(Exception):
+    pass
+
+
+CALLBACK = "INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):\n  File \"x.py\"\n"
+
+
+@pytest.mark.parametrize("exc, expected", [
+    (JaxRuntimeError(CALLBACK + "AttributeError: 'BitcastTransform' object has no attribute 'indices'"),
+     "ref bitcast (BitcastTransform) where the interpreter takes only indexers (a DMA, a semaphore)"),
+    (NotImplementedError("TPU version must be 4 or higher."), "TPU generation query outside a TPU"),
+    (ValueError("Unsupported TPU device kind: cpu. If you are not running"), "TPU generation query outside a TPU"),
+    (JaxRuntimeError(CALLBACK + "NotImplementedError: masked load_p"), "masked load (load_p with mask)"),
+    (NotImplementedError("run_scoped_p with collective axes is not supported"), "run_scoped with collective axes"),
+    (NotImplementedError("Non-decrementing wait is not supported."), "non-decrementing semaphore wait"),
+    (NotImplementedError("Unsupported memory space: MemorySpace.X"), "a memory space the interpreter does not model"),
+    (JaxRuntimeError(CALLBACK + "NotImplementedError: store through a bitcast ref (ref.bitcast) is not supported"),
+     "store through a ref view that is not one strided box"),
+])
+def test_known_limitations_are_named_in_one_line(exc, expected):
+    assert ic.interpreter_limitation(exc) == ic.UNSUPPORTED_PREFIX + expected
+
+
+def test_a_kernel_error_is_not_a_limitation_and_keeps_its_own_line():
+    # The callback's own traceback may hold earlier exceptions; the error is the last one.
+    bug = JaxRuntimeError(CALLBACK + "KeyError: 3\n\nDuring handling of the above exception, another exception "
+                          "occurred:\n\nTraceback (most recent call last):\n  File \"y.py\"\n"
+                          "IndexError: Out-of-bounds read of (0 0 hbm 101): reading [(45,)] but buffer has shape "
+                          "(40,).")
+    assert ic.interpreter_limitation(bug) is None
+    assert ic.interpreter_limitation(ValueError("num_seqs must be <= 4")) is None
+    assert ic.callback_error_line(bug) == ("IndexError: Out-of-bounds read of (0 0 hbm 101): reading [(45,)] but "
+                                           "buffer has shape (40,). (raised in an interpret-mode callback)")
+    assert ic.callback_error_line(ValueError("plain")) is None
+    # The cause chain is searched: a limitation re-raised as another error is still one.
+    try:
+        try:
+            raise AttributeError("'ReshapeTransform' object has no attribute 'indices'")
+        except AttributeError as inner:
+            raise RuntimeError("kernel failed") from inner
+    except RuntimeError as outer:
+        assert ic.interpreter_limitation(outer).endswith("ref reshape (ReshapeTransform) where the interpreter "
+                                                         "takes only indexers (a DMA, a semaphore)")
+
+
+def report_record(case, backend, reason, outcome="error"):
+    from tests.selftest.test_report import record
+
+    return record(case, backend=backend, direction="all", outcome=outcome, budget=None, reason=reason)
+
+
+def test_limitation_lines_give_one_line_per_backend_and_kernel():
+    reason = ic.UNSUPPORTED_PREFIX + "masked load (load_p with mask)"
+    records = [report_record("c1", "interpret", reason), report_record("c2", "interpret", reason),
+               report_record("c2", "interpret", reason), report_record("c1", "interpret-hazards", reason),
+               report_record("c3", "interpret", "ValueError: boom"),
+               report_record("c4", "interpret", reason, outcome="fail")]
+    assert ic.limitation_lines(records) == [
+        "interpret: toy_attention/builtin: 2 case(s) not run, " + reason,
+        "interpret-hazards: toy_attention/builtin: 1 case(s) not run, " + reason]
+
+
+RAGGED_CASE = dict(dtype="float32", kv_dtype="float32", page_size=16, num_q_heads=2, num_kv_heads=2,
+                   seqs=((3, 20),), sliding_window=None, soft_cap=None, k_scale=None, v_scale=None, sm_scale=1.0,
+                   num_kv_pages_per_block=None, num_queries_per_block=None, padding="repeat_last", values="normal")
+
+
+def check_raising(exc: BaseException, backend: str) -> check.Outcome:
+    """The check of a ragged case whose implementation raises ``exc`` on ``backend``."""
+    from attncheck.specs import ragged
+
+    def raising(*args, **kwargs):
+        raise exc
+
+    target = check.Target(ragged.SPEC, "user", raising, backends.BACKENDS[backend])
+    outcome = check.check_case(target, ragged.SPEC.case(1, **RAGGED_CASE))
+    assert [(r.outcome, r.direction) for r in outcome.records] == [("error", "all")]
+    return outcome
+
+
+def test_the_check_records_a_limitation_and_a_callback_error_as_one_line():
+    reshape = JaxRuntimeError(CALLBACK + "AttributeError: 'ReshapeTransform' object has no attribute 'indices'")
+    record, = check_raising(reshape, "interpret").records
+    assert record.reason == ic.UNSUPPORTED_PREFIX + (
+        "ref reshape (ReshapeTransform) where the interpreter takes only indexers (a DMA, a semaphore)")
+    assert "CpuCallback" in record.traceback  # the trace is kept, out of the reason
+    assert record.backend_settings["emulated_tpu"] == "TPU v5 lite"
+    out_of_bounds = JaxRuntimeError(CALLBACK + "IndexError: Out-of-bounds read of (0 0 hbm 101)")
+    assert check_raising(out_of_bounds, "interpret").records[0].reason == (
+        "IndexError: Out-of-bounds read of (0 0 hbm 101) (raised in an interpret-mode callback)")
+    # Off the interpreter the same text is no limitation of it: the error itself is kept.
+    assert check_raising(reshape, "xla").records[0].reason.startswith("JaxRuntimeError: INTERNAL: CpuCallback")
+
+
+def test_a_timeout_raised_in_a_callback_keeps_its_text_and_stops_the_test():
+    timeout = "Failed: Timeout (>5.0s) from pytest-timeout"
+    outcome = check_raising(JaxRuntimeError(CALLBACK + "KeyError: 3\n" + "x" * 4000 + "\n" + timeout), "interpret")
+    assert outcome.fatal == "Timeout (>5.0s) from pytest-timeout"
+    assert outcome.records[0].reason.endswith(timeout) and " characters] ... " in outcome.records[0].reason
+
+
+def test_the_report_names_each_limitation_once_per_backend_and_stays_a_fail():
+    from attncheck.report import render
+    from tests.selftest.test_report import record, report_of
+
+    reason = ic.UNSUPPORTED_PREFIX + "masked load (load_p with mask)"
+    records = [report_record("c0", "interpret", reason), report_record("c1", "interpret", reason),
+               report_record("c0", "interpret-hazards", reason), record("c2", backend="interpret")]
+    report = report_of(records)
+    lines = [f"interpret: toy_attention/builtin: 2 case(s) not run, {reason}",
+             f"interpret-hazards: toy_attention/builtin: 1 case(s) not run, {reason}"]
+    assert report.limitations == lines
+    assert report.verdict == "FAIL" and report.problems == []  # the error records fail it, not the lines
+    assert report.to_json()["limitations"] == lines
+    markdown = render.render_markdown(report)
+    assert f"## Not runnable in interpret mode\n\n- {lines[0]}\n- {lines[1]}\n" in markdown
+    assert f"<li>{lines[1]}</li>" in render.render_html(report)
+    assert report_of([record("c2", backend="interpret")]).limitations == []
