@@ -479,6 +479,8 @@ SPLASH_MUTANTS = [
             "        do.astype(v.dtype), v, dp_dims, preferred_element_type=jnp.float32,\n    )\n"
             "    ds = dp * p\n",
             "dq kernel drops rowsum(dO * O) from dS", "softmax_bwd_delta_missing"),
+]
+
 # ---------------------------------------------------------------- paged attention (jax's, installed)
 PAGED_MODULE = "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel"
 
