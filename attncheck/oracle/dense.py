@@ -39,6 +39,15 @@ lse is -inf for them under every convention:
   "nan"       out = NaN. Gradient: dq of that row is NaN; dk, dv and dbias get no
               contribution. It exists so a caller can declare such rows poisoned:
               any use of them downstream shows up as NaN instead of a silent value.
+
+fallback (optional, a bool mask shaped like visible) names, for rows with no visible key,
+the keys such a row averages instead: the keys a kernel hides by *replacing* their logit
+with a large finite mask value (a segment mismatch) rather than dropping them (a causal
+or window boundary, a -inf bias). Such a row's weights are uniform over its fallback keys
+(the mask value absorbs the logits in the kernel's float32), and its gradient is the
+softmax gradient at those uniform probabilities, flowing through the logits to q, k and
+bias as an additive mask's does: dS = P * (dP - rowsum(P * dP)). Rows with neither
+visible nor fallback keys follow masked_rows.
 """
 
 import dataclasses
@@ -54,7 +63,7 @@ MASKED_ROW_CONVENTIONS = ("zero", "mean_of_v", "nan")
 class AttentionResult:
     out: np.ndarray  # [B, Hq, Q, Dv] float64
     lse: np.ndarray  # [B, Hq, Q] float64 log-sum-exp of the (capped, masked) logits; -inf for fully masked rows
-    fully_masked: np.ndarray  # [B, Hq, Q] bool: rows with no visible key
+    fully_masked: np.ndarray  # [B, Hq, Q] bool: rows with no visible (and no fallback) key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +77,7 @@ class _Problem:
     kv_shape: tuple  # (B, Hkv, K): where dk and dv are summed back to
     bias: np.ndarray | None
     visible: np.ndarray  # [B, 1 or Hq, Q, K] bool
+    fallback: np.ndarray | None  # [B|1, Hq|1, Q, K] bool: what a row with no visible key averages
     scale: float
     soft_cap: float | None
     k_scale: float
@@ -126,13 +136,13 @@ def _per_batch(name, x, batch, length):
     return np.broadcast_to(a, (batch, length))
 
 
-def _explicit_mask(visible, full):
-    """The visible= argument: a 4-D bool array broadcastable to full = (B, Hq, Q, K)."""
+def _explicit_mask(visible, full, name="visible"):
+    """The visible= (or fallback=) argument: a 4-D bool array broadcastable to (B, Hq, Q, K)."""
     a = np.asarray(visible)
     if a.dtype != np.bool_:
-        _fail("visible", "a bool array", f"dtype {a.dtype}")
+        _fail(name, "a bool array", f"dtype {a.dtype}")
     if a.ndim != 4 or any(n not in (1, m) for n, m in zip(a.shape, full)):
-        _fail("visible", f"4-D [B|1, Hq|1, Q|1, K|1] with [B, Hq, Q, K] = {list(full)}", f"shape {a.shape}")
+        _fail(name, f"4-D [B|1, Hq|1, Q|1, K|1] with [B, Hq, Q, K] = {list(full)}", f"shape {a.shape}")
     return a
 
 
@@ -158,8 +168,8 @@ def _visibility(batch, q_len, kv_len, q_segment_ids, kv_segment_ids, q_positions
 
 
 def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-             kv_positions=None, causal=False, window=None, visible=None, soft_cap=None, k_scale=None,
-             v_scale=None, masked_rows="zero", dropout_multiplier=None):
+             kv_positions=None, causal=False, window=None, visible=None, fallback=None, soft_cap=None,
+             k_scale=None, v_scale=None, masked_rows="zero", dropout_multiplier=None):
     if masked_rows not in MASKED_ROW_CONVENTIONS:
         _fail("masked_rows", f"one of {MASKED_ROW_CONVENTIONS}", repr(masked_rows))
     q = _float_array("q", q)
@@ -194,6 +204,8 @@ def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=No
                         window)
     if visible is not None:
         rules = rules & _explicit_mask(visible, (batch, q_heads, q_len, kv_len))
+    if fallback is not None:
+        fallback = _explicit_mask(fallback, (batch, q_heads, q_len, kv_len), "fallback")
     return _Problem(
         q=q,
         k=k[:, kv_head] * k_scale,
@@ -202,6 +214,7 @@ def _prepare(q, k, v, *, scale, bias=None, q_segment_ids=None, kv_segment_ids=No
         kv_shape=(batch, kv_heads, kv_len),
         bias=bias,
         visible=rules,
+        fallback=fallback,
         scale=_real("scale", scale),
         soft_cap=None if soft_cap is None else _real("soft_cap", soft_cap, positive=True),
         k_scale=k_scale,
@@ -227,13 +240,20 @@ def _forward(p):
     exps = np.where(visible, np.exp(shifted), 0.0)
     denom = np.where(fully_masked, 1.0, exps.sum(axis=-1))
     probs = exps / denom[..., None]
+    any_visible = ~fully_masked
+    if p.fallback is not None:
+        fallback = np.broadcast_to(p.fallback, logits.shape) & fully_masked[..., None]
+        count = fallback.sum(axis=-1, keepdims=True)
+        probs = np.where(fallback, 1.0 / np.maximum(count, 1), probs)
+        fully_masked = fully_masked & (count[..., 0] == 0)
     weights = probs if p.dropout_multiplier is None else probs * p.dropout_multiplier
     if p.masked_rows == "mean_of_v":
         weights = np.where(fully_masked[..., None], 1.0 / p.k.shape[2], probs)
     out = np.einsum("bhqk,bhkd->bhqd", weights, p.v)
     if p.masked_rows == "nan":
         out = np.where(fully_masked[..., None], np.nan, out)
-    lse = np.where(fully_masked, -np.inf, row_max + np.log(denom))
+    # A fallback row's normaliser is not a sum over visible keys: its lse is -inf too.
+    lse = np.where(any_visible, row_max + np.log(denom), -np.inf)
     return _Forward(weights, probs, tanh, AttentionResult(out, lse, fully_masked))
 
 
@@ -251,8 +271,8 @@ def _to_kv_heads(p, grad):
 
 def attention(q, k, v, **options) -> AttentionResult:
     """Forward pass. options: scale (required), bias, q_segment_ids, kv_segment_ids,
-    q_positions, kv_positions, causal, window, visible, soft_cap, k_scale, v_scale,
-    masked_rows, dropout_multiplier;
+    q_positions, kv_positions, causal, window, visible, fallback, soft_cap, k_scale,
+    v_scale, masked_rows, dropout_multiplier;
     see the module docstring for their meaning."""
     return _forward(_prepare(q, k, v, **options)).result
 

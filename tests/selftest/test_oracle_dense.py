@@ -533,3 +533,69 @@ def test_vjp_rejects_d_out_of_the_wrong_shape():
 def test_ring_helpers_reject_out_of_range_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------ fallback rows
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _fallback_problem(seed: int = 0, soft_cap=None):
+    """Query 0 sees keys 0-2; query 1 sees nothing and falls back to keys 3-5; query 2
+    sees key 4 (its fallback keys must not matter); query 3 sees nothing, falls back on
+    nothing: masked_rows decides."""
+    rng = np.random.default_rng(seed)
+    q, k, v, d_out = (rng.standard_normal((1, 2, n, 4)) for n in (4, 6, 6, 4))
+    bias = rng.standard_normal((1, 2, 4, 6))
+    visible = np.zeros((1, 1, 4, 6), bool)
+    visible[..., 0, :3] = visible[..., 2, 4] = True
+    fallback = np.zeros((1, 1, 4, 6), bool)
+    fallback[..., 1, 3:] = fallback[..., 2, :2] = True
+    options = dict(scale=0.7, bias=bias, visible=visible, fallback=fallback, soft_cap=soft_cap, masked_rows="zero")
+    return (q, k, v), d_out, options
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.5])
+def test_a_row_without_visible_keys_averages_its_fallback_keys_and_others_are_untouched(soft_cap):
+    (q, k, v), _, options = _fallback_problem(soft_cap=soft_cap)
+    got = oracle.attention(q, k, v, **options)
+    without = oracle.attention(q, k, v, **{**options, "fallback": None})
+    np.testing.assert_allclose(got.out[:, :, 1], v[:, :, 3:].mean(axis=2), **FLOAT64_TOL)
+    for row in (0, 2, 3):  # a visible key wins over fallback keys; no fallback: masked_rows
+        np.testing.assert_array_equal(got.out[:, :, row], without.out[:, :, row])
+    assert np.all(got.out[:, :, 3] == 0) and list(got.fully_masked[0, 0]) == [False, False, False, True]
+    assert np.all(np.isneginf(got.lse[:, :, 1]))
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.5])
+def test_the_gradient_of_a_fallback_row_is_an_additive_masks_in_float32(soft_cap):
+    """Independent: jax autodiff of attention with an additive float32 mask value, which
+    absorbs the logits of a row that has only masked keys (uniform weights) while its
+    derivative still flows through them."""
+    (q, k, v), d_out, options = _fallback_problem(seed=1, soft_cap=soft_cap)
+    rows = np.array([0, 1, 2])  # row 3 (no key at all) is NaN there: masked_rows handles it
+
+    def additive(q, k, v, bias):
+        logits = options["scale"] * jnp.einsum("bhqd,bhkd->bhqk", q, k) + bias
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(options["visible"], logits,
+                           jnp.where(options["fallback"], logits + MASK_VALUE, -jnp.inf))
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(logits[:, :, rows], axis=-1), v)
+
+    inputs = [jnp.asarray(x, jnp.float32) for x in (q, k, v, options["bias"])]
+    out, vjp = jax.vjp(additive, *inputs)
+    dq, dk, dv, dbias = vjp(jnp.asarray(d_out[:, :, rows], jnp.float32))
+    truth = oracle.attention_vjp(q, k, v, np.where(np.isin(np.arange(4), rows)[:, None], d_out, 0), **options)
+    np.testing.assert_allclose(np.asarray(out), oracle.attention(q, k, v, **options).out[:, :, rows], rtol=2e-5,
+                               atol=2e-6)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv), ("dbias", dbias)):
+        np.testing.assert_allclose(np.asarray(got), truth[name], rtol=2e-5, atol=2e-6, err_msg=name)
+    assert np.abs(truth["dq"][:, :, 1]).max() > 1e-3  # the fallback row's gradient reaches q
+
+
+def test_fallback_is_validated_like_visible():
+    (q, k, v), _, options = _fallback_problem()
+    with pytest.raises(ValueError, match=r"fallback: expected a bool array, got dtype int64"):
+        oracle.attention(q, k, v, **{**options, "fallback": options["fallback"].astype(np.int64)})
+    with pytest.raises(ValueError, match=r"fallback: expected 4-D"):
+        oracle.attention(q, k, v, **{**options, "fallback": options["fallback"][0]})
