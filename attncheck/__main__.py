@@ -135,6 +135,7 @@ def cmd_report(args) -> int:
     try:
         report = merge.merge(directory, run_id, outcome,
                              applicable={s.name: s.class_names for s in specs.all_specs().values()},
+                             fixed_parameters={s.name: s.fixed_parameters for s in specs.all_specs().values()},
                              accepted_path=args.accepted_budgets)
     except ValueError as exc:
         raise CommandError(str(exc)) from None

@@ -232,6 +232,8 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     # of them (the ring dropout mask): its trace and compile are kernel work.
     with timings.phase("inputs", compiles=True):
         inputs = spec.inputs(case)
+    with timings.phase("parameters"):
+        base = dataclasses.replace(base, parameters=spec.parameters(target.impl, case, inputs))
     try:
         with (target.backend.context(case.seed, p.device_count, p.simulated_cores),
               timings.phase("kernel", compiles=True)):
@@ -263,6 +265,7 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
 def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
     records = []
     try:
+        base = dataclasses.replace(base, parameters=target.spec.parameters(target.impl, case, target.spec.inputs(case)))
         exports = target.spec.lower(target.impl, case)
     except Exception as exc:  # noqa: BLE001
         return Outcome([_error(base, "all", exc, {})], fatal=timeout_in(exc))

@@ -10,11 +10,11 @@ import json
 import pathlib
 from collections.abc import Mapping
 
-from attncheck import accepted, coverage
+from attncheck import accepted, coverage, parameters
 from attncheck.mutation import runner
 from attncheck.report import records as rec
 from attncheck.report.model import (FAIL, INCOMPLETE, Report, ShardInfo, SkippedBackend, build, describe_tests,
-                                    summarize, unverified_targets)
+                                    parameter_table, summarize, unverified_targets)
 
 MUTATION_FILE = "mutation.json"
 
@@ -39,10 +39,11 @@ class RunOutcome:
 def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
           applicable: Mapping[str, tuple[str, ...]], accepted_path: str | None = None,
           regression_floor: float = accepted.REGRESSION_FLOOR, require_coverage: bool = False,
-          shard: ShardInfo | None = None) -> Report:
-    """The report of a run from the files it wrote. A shard's report (``shard``) leaves the
-    coverage holes and regressions to the merge of the shards: they are properties of the
-    whole run."""
+          fixed_parameters: Mapping[str, Mapping[str, str]] | None = None, shard: ShardInfo | None = None) -> Report:
+    """The report of a run from the files it wrote; with ``require_coverage`` an applicable
+    bug class without a case and a parameter that kept one value (not declared fixed) are
+    problems. A shard's report (``shard``) leaves the coverage holes and regressions to the
+    merge of the shards: they are properties of the whole run."""
     directory = pathlib.Path(directory)
     records, problems = rec.read_records(directory, run_id)
     started, marker_problems = rec.read_started(directory, run_id)
@@ -58,24 +59,30 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
                  for nodeid, reason in sorted(outcome.failed_tests.items()) if nodeid not in failing_tests]
     regressions = None
     if shard is None:
-        holes, regressions = _judge_whole_run(records, applicable, require_coverage, accepted_path, regression_floor)
+        holes, regressions = _judge_whole_run(records, applicable, fixed_parameters or {}, require_coverage,
+                                              accepted_path, regression_floor)
         problems += holes
     unverified = list(outcome.unavailable)
     if outcome.asked is not None:
         unverified += unverified_targets(records, outcome.asked)
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
                  unverified=unverified, skipped_backends=list(outcome.skipped_backends), applicable=applicable,
-                 regressions=regressions, mutation=_read_json(directory / MUTATION_FILE), shard=shard)
+                 regressions=regressions, mutation=_read_json(directory / MUTATION_FILE),
+                 fixed_parameters=fixed_parameters, shard=shard)
 
 
-def _judge_whole_run(records: list[rec.Record], applicable: Mapping[str, tuple[str, ...]], require_coverage: bool,
+def _judge_whole_run(records: list[rec.Record], applicable: Mapping[str, tuple[str, ...]],
+                     fixed_parameters: Mapping[str, Mapping[str, str]], require_coverage: bool,
                      accepted_path: str | None, regression_floor: float) -> tuple[list[str], list[str] | None]:
-    """(coverage holes, numerics regressions or None when no accepted budgets were given)."""
+    """(coverage holes: bug classes and parameters, numerics regressions or None when no
+    accepted budgets were given)."""
     holes = []
     if require_coverage:
         counts = coverage.table(records, applicable)
         holes = [f"coverage: {kernel} never exercised {', '.join(names)}"
                  for kernel, names in coverage.missing(counts, applicable).items()]
+        holes += [f"parameter coverage: {kernel} never varied {', '.join(names)}"
+                  for kernel, names in parameters.unvaried(parameter_table(records), fixed_parameters).items()]
     regressions = None
     if accepted_path:
         regressions = accepted.regressions(summarize(records), accepted.read(pathlib.Path(accepted_path)),
@@ -179,10 +186,11 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     records = sorted((r for s in ordered for r in s.records), key=lambda r: r.key)
     problems += [f"a record in more than one shard: {key}" for key in rec.duplicates(records)]
     applicable = {family: classes for i in infos for family, classes in i.applicable.items()}
+    fixed = {family: reasons for i in infos for family, reasons in i.fixed_parameters.items()}
     regressions = None
     if infos:
         try:
-            holes, regressions = _judge_whole_run(records, applicable, infos[0].require_coverage,
+            holes, regressions = _judge_whole_run(records, applicable, fixed, infos[0].require_coverage,
                                                   infos[0].accepted_budgets, infos[0].regression_floor)
             problems += holes
         except accepted.AcceptedBudgetsError as exc:
@@ -207,7 +215,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     return build(records, run_id="+".join(s.data["run_id"] for s in ordered) or "no-shards", complete=True,
                  wall_s=None if not walls or None in walls else max(walls), problems=problems,
                  unverified=unverified, skipped_backends=list(skipped), applicable=applicable,
-                 regressions=regressions, mutation=mutation)
+                 regressions=regressions, mutation=mutation, fixed_parameters=fixed)
 
 
 def _read_json(path: pathlib.Path):

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 
-from attncheck import coverage, interpret_compat
+from attncheck import coverage, interpret_compat, parameters
 from attncheck.report.records import SCHEMA_VERSION, Record
 
 PASS, FAIL, NO_CASES, INCOMPLETE = "PASS", "FAIL", "NO CASES", "INCOMPLETE"
@@ -81,6 +81,7 @@ class ShardInfo:
     asked: Mapping[str, Mapping[str, int]]  # target id -> outcome of its tests -> how many
     unavailable: tuple[str, ...]  # backends asked for by name that cannot run
     applicable: Mapping[str, tuple[str, ...]]  # family -> its bug classes
+    fixed_parameters: Mapping[str, Mapping[str, str]]  # family -> parameter kept at one value -> why
     require_coverage: bool
     accepted_budgets: str | None
     regression_floor: float
@@ -117,6 +118,10 @@ class Report:
     regressions: list[str] | None  # None: no accepted budgets were given
     records: list[Record]
     mutation: dict | None = None
+    # family -> parameter -> values it took (attncheck.parameters), and the parameters a
+    # family keeps at one value on purpose, with the reason.
+    parameters: Mapping[str, Mapping[str, parameters.ParameterValues]] = dataclasses.field(default_factory=dict)
+    fixed_parameters: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     shard: ShardInfo | None = None  # None: not a shard of a run
 
     @property
@@ -128,6 +133,7 @@ class Report:
         out["totals"] = dataclasses.asdict(self.totals)
         out["summary"] = [dataclasses.asdict(r) for r in self.summary]
         out["coverage"] = {k: {c: dataclasses.asdict(n) for c, n in v.items()} for k, v in self.coverage.items()}
+        out["parameters"] = {k: {name: values.cases for name, values in v.items()} for k, v in self.parameters.items()}
         out["device_growth"] = [dataclasses.asdict(g) for g in self.device_growth]
         out["skipped_backends"] = [dataclasses.asdict(s) for s in self.skipped_backends]
         out["records"] = [r.to_json() for r in self.records]
@@ -201,10 +207,20 @@ def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[
     return [f"{target}: no case verified ({why})" for target, why in sorted(asked.items()) if target not in verified]
 
 
+def parameter_table(records: list[Record]) -> dict[str, dict[str, parameters.ParameterValues]]:
+    """family -> parameter -> the values it took, counting each case once."""
+    seen = {}
+    for r in records:
+        if r.parameters is not None:
+            seen.setdefault((r.kernel, r.case_id), r.parameters)
+    return parameters.table((kernel, found) for (kernel, _), found in seen.items())
+
+
 def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float | None, problems: list[str],
           unverified: list[str], skipped_backends: list[SkippedBackend],
           applicable: Mapping[str, tuple[str, ...]], regressions: list[str] | None = None,
-          mutation: dict | None = None, shard: ShardInfo | None = None) -> Report:
+          mutation: dict | None = None, fixed_parameters: Mapping[str, Mapping[str, str]] | None = None,
+          shard: ShardInfo | None = None) -> Report:
     """The report of a run from its records (``applicable``: the bug classes of each family)."""
     counts = coverage.table(records, applicable)
     problems = list(problems) + list(regressions or ())
@@ -216,7 +232,8 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
         summary=summarize(records), coverage=counts, device_growth=device_growth(records),
         skipped_backends=skipped_backends, problems=problems, unverified=list(unverified),
         limitations=interpret_compat.limitation_lines(records), regressions=regressions, records=records,
-        mutation=mutation, shard=shard)
+        mutation=mutation, parameters=parameter_table(records),
+        fixed_parameters={k: dict(v) for k, v in (fixed_parameters or {}).items()}, shard=shard)
 
 
 def placeholder(run_id: str) -> Report:

@@ -60,6 +60,7 @@ class CaseRun:
     classes: tuple[str, ...]
     repro: str
     nodeid: str = ""
+    parameters: Mapping[str, str] | None = None  # the call's parameter surface (attncheck.parameters)
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(CaseRun)}

@@ -13,6 +13,7 @@ import tempfile
 from collections import defaultdict
 
 from attncheck import accepted as acc
+from attncheck import parameters
 from attncheck.report import history, plots
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.model import PASS, Report, SummaryRow
@@ -129,6 +130,8 @@ def render_markdown(report: Report) -> str:
                               for c, n in sorted(classes.items()))
             out.append(f"- **{md(kernel)}**: {cells}")
         out.append("")
+    if report.parameters:
+        out += render_parameters_markdown(report)
     if report.device_growth:
         out += ["## Worst error against device count", "", "| kernel | direction | dtype | devices | worst max abs |",
                 "|---|---|---|---|---|"]
@@ -138,6 +141,34 @@ def render_markdown(report: Report) -> str:
     if report.mutation:
         out += render_mutation_markdown(report.mutation)
     return "\n".join(out) + "\n"
+
+
+def _values(values: parameters.ParameterValues) -> str:
+    shown = list(values.cases.items())[:parameters.MAX_LISTED_VALUES]
+    more = len(values.cases) - len(shown)
+    return ", ".join(f"{v} ({n})" for v, n in shown) + (f", ... {more} more" if more > 0 else "")
+
+
+def render_parameters_markdown(report: Report) -> list[str]:
+    """Per family: how many parameters varied, the ones that did not (with the reason when
+    the family keeps them fixed on purpose), and the whole table folded away."""
+    out = ["## Parameter coverage", "",
+           "Every parameter of each kernel's call (keywords, config fields, array axes and dtypes) and the "
+           "values it took; one that kept a single value is a blind spot.", ""]
+    for kernel, params in report.parameters.items():
+        fixed = report.fixed_parameters.get(kernel, {})
+        single = [(name, values) for name, values in params.items() if not values.varied]
+        varied = len(params) - len(single)
+        out.append(f"- **{md(kernel)}**: {varied} of {len(params)} parameters varied")
+        for name, values in single:
+            reason = parameters.fixed_reason(name, fixed)
+            note = f"fixed: {md(reason)}" if reason else "**never varied**"
+            out.append(f"  - {md_code(name)} = {md_code(next(iter(values.cases)))}: {note}")
+    out += ["", "<details><summary>Every parameter and its values (cases)</summary>", "",
+            "| kernel | parameter | values (cases) |", "|---|---|---|"]
+    out += [f"| {md(kernel)} | {md_code(name)} | {md(_values(values))} |"
+            for kernel, params in report.parameters.items() for name, values in params.items()]
+    return out + ["", "</details>", ""]
 
 
 def render_mutation_markdown(mutation: dict) -> list[str]:
@@ -366,8 +397,14 @@ def render_html(report: Report, accepted: list[acc.AcceptedBudget] | None = None
     coverage = "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n.cases}</td><td>{n.failures}</td></tr>"
         for k, classes in report.coverage.items() for c, n in sorted(classes.items()))
+    parameter_rows = "".join(
+        f"<tr class='{'' if values.varied or parameters.fixed_reason(name, report.fixed_parameters.get(k, {})) else 'bad'}'>"
+        f"<td>{esc(k)}</td><td><code>{esc(name)}</code></td><td>{esc(_values(values))}</td>"
+        f"<td>{esc(parameters.fixed_reason(name, report.fixed_parameters.get(k, {})) or '')}</td></tr>"
+        for k, params in report.parameters.items() for name, values in params.items())
     sections = ((("failures", "failures"),) if failing else ()) + (
-        ("overview", "overview"), ("maps", "error maps"), ("summary", "summary"), ("coverage", "coverage"))
+        ("overview", "overview"), ("maps", "error maps"), ("summary", "summary"), ("coverage", "coverage"),
+        ("parameters", "parameters"))
     nav = " · ".join(f"<a href='#{target}'>{label}</a>" for target, label in sections)
     totals, ok = report.totals, report.verdict == PASS
     return f"""<!doctype html>
@@ -408,6 +445,7 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 <h2 id="summary">Summary</h2><table><tr><th>kernel</th><th>impl</th><th>backend</th><th>dtype</th><th>direction</th><th>cases</th><th>failures</th><th>worst budget</th><th>worst case</th></tr>{rows}</table>
 {'<h2>Backends not run</h2><ul>' + skipped + '</ul>' if skipped else ''}
 <h2 id="coverage">Coverage of bug classes</h2><table><tr><th>kernel</th><th>class</th><th>cases</th><th>failures</th></tr>{coverage}</table>
+<h2 id="parameters">Parameter coverage</h2><table><tr><th>kernel</th><th>parameter</th><th>values (cases)</th><th>fixed because</th></tr>{parameter_rows}</table>
 <script>{COPY_SCRIPT}</script>
 </body></html>
 """

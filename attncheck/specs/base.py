@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import coverage
+from attncheck import coverage, parameters
 from attncheck.cases import Case, Params, check_params_type
 from attncheck.coverage import BugClass
 from attncheck.report.errormap import ErrorMapLayout
@@ -58,7 +58,11 @@ class KernelSpec(abc.ABC, Generic[P]):
     - ``bug_classes``: :class:`~attncheck.coverage.BugClass` predicates, each exercised in
       every gate run (``coverage.bug_classes(name=predicate, ...)``);
     - ``examples``: drawn cases per backend in the CI profile (profiles scale them); a
-      backend missing here draws ``DEFAULT_EXAMPLES``.
+      backend missing here draws ``DEFAULT_EXAMPLES``;
+    - ``fixed_parameters``: parameter name (or fnmatch pattern) -> why the gate keeps it at
+      one value (``attncheck.parameters``: every other parameter must vary in a run);
+    - ``keyword_targets``: "module:function" of what an implementation's ``**kwargs`` are
+      forwarded to, so that their keywords are part of its parameter surface.
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -70,6 +74,8 @@ class KernelSpec(abc.ABC, Generic[P]):
     impl_backends: ClassVar[Mapping[str, tuple[str, ...]]] = types.MappingProxyType({})
     bug_classes: ClassVar[tuple[BugClass, ...]] = ()
     examples: ClassVar[Mapping[str, int]] = types.MappingProxyType({})
+    fixed_parameters: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
+    keyword_targets: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS
@@ -105,6 +111,11 @@ class KernelSpec(abc.ABC, Generic[P]):
     def backends_for(self, impl_name: str) -> tuple[str, ...]:
         """The backends an implementation runs on; the first also runs its coverage examples."""
         return tuple(self.impl_backends.get(impl_name, self.backends))
+
+    def parameters(self, impl: Callable, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, str] | None:
+        """The parameter surface of this case's call of ``impl`` (``attncheck.parameters``)."""
+        return parameters.record(lambda probe: self.run(probe, case, inputs), impl,
+                                 [resolve_impl(ref) for ref in self.keyword_targets])
 
     def examples_for(self, backend: str) -> int:
         return self.examples.get(backend, self.DEFAULT_EXAMPLES)

@@ -162,7 +162,8 @@ def test_schema_follows_the_code():
     REPORT_VALIDATOR.validate(json.loads(json.dumps(built)))
     shard = model.ShardInfo(2, 4, tests=3, collection_size=9, collection_digest="0123456789abcdef",
                             asked={"toy_attention-builtin-xla": {"passed": 2}}, unavailable=(),
-                            applicable=APPLICABLE, require_coverage=True, accepted_budgets=None, regression_floor=0.3)
+                            applicable=APPLICABLE, fixed_parameters={}, require_coverage=True, accepted_budgets=None,
+                            regression_floor=0.3)
     sharded = report_of([record()], shard=shard).to_json()
     assert set(SCHEMA["$defs"]["shard"]["required"]) == set(sharded["shard"]) == {
         f.name for f in dataclasses.fields(model.ShardInfo)}

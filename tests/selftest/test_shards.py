@@ -128,7 +128,7 @@ TARGET = "toy_attention-builtin-xla"
 
 def shard_info(index: int, count: int = 3, **overrides) -> model.ShardInfo:
     values = dict(tests=1, collection_size=count, collection_digest="0123456789abcdef",
-                  asked={TARGET: {"passed": 1}}, unavailable=(), applicable=APPLICABLE, require_coverage=True,
+                  asked={TARGET: {"passed": 1}}, unavailable=(), applicable=APPLICABLE, fixed_parameters={}, require_coverage=True,
                   accepted_budgets=None, regression_floor=1 / 3)
     return model.ShardInfo(index, count, **{**values, **overrides})
 
@@ -168,6 +168,23 @@ def test_the_merge_judges_coverage_and_what_was_verified_on_the_whole_run(shards
     write_shard(shards[2], [], shard_info(2))
     holes = merge.merge_shards(list(shards.values()))
     assert holes.verdict == "FAIL" and holes.problems == ["coverage: toy_attention never exercised bf16"]
+
+
+def test_the_merge_judges_parameter_coverage_on_the_whole_run(tmp_path):
+    def shard(index: int, causal: str, **info):
+        records = [dataclasses.replace(record(f"c{index}", classes=("causal", "bf16")),
+                                       parameters={"causal": causal, "block_q": "128"})]
+        return write_shard(tmp_path / f"p{index}-{causal}", records, shard_info(index, 2, **info))
+
+    # causal varies only across the shards; block_q never does.
+    fixed = {"toy_attention": {"block_q": "the toy has one block size"}}
+    report = merge.merge_shards([shard(1, "True", fixed_parameters=fixed), shard(2, "False", fixed_parameters=fixed)])
+    assert (report.verdict, report.problems) == ("PASS", [])
+    assert report.fixed_parameters == fixed
+    same = merge.merge_shards([shard(1, "True", fixed_parameters=fixed), shard(2, "True", fixed_parameters=fixed)])
+    assert same.problems == ["parameter coverage: toy_attention never varied causal (always True)"]
+    undeclared = merge.merge_shards([shard(1, "True"), shard(2, "False")])
+    assert undeclared.problems == ["parameter coverage: toy_attention never varied block_q (always 128)"]
 
 
 def test_a_shard_leaves_coverage_holes_and_regressions_to_the_merge(tmp_path):

@@ -18,6 +18,7 @@ Implementations (all with the family's calling convention):
   chunks (a planted block-edge bug: its error map lights up at the chunk boundary);
 - ``toy_attention_mixed``: wrong on causal cases only: a run yields pass records, then the
   fail records of the first causal case;
+- ``toy_attention_new_keyword``: correct, with a keyword the spec never passes;
 - ``toy_attention_crash``: raises ValueError (error records);
 - ``toy_attention_interrupt``: raises KeyboardInterrupt on its INTERRUPT_AT-th call with valid
   inputs (it runs eagerly, so its N-th such call is the N-th case);
@@ -138,6 +139,12 @@ def toy_attention_mixed(q, k, v, *, causal: bool, sm_scale: float):
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
+def toy_attention_new_keyword(q, k, v, *, causal: bool, sm_scale: float, window: int | None = None):
+    """A correct implementation that grew a keyword the family's spec never passes: the
+    parameter-coverage check must call it out (it always kept its default)."""
+    return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
 def toy_attention_crash(q, k, v, *, causal: bool, sm_scale: float):
     raise ValueError("toy: planted crash <script>alert(1)</script>")
 
@@ -208,6 +215,10 @@ class ToySpec(KernelSpec[ToyParams]):
     backends = ("xla",)
     bug_classes = coverage.bug_classes(causal=lambda p: p.causal, bf16=lambda p: p.dtype == "bfloat16")
     examples = {"xla": 4}
+    # Few shapes, so that the self-tests, which run this gate often, compile little.
+    fixed_parameters = {**{f"*.shape[{axis}]": "the toy family keeps batch, heads and head_dim fixed: few compiles"
+                           for axis in (0, 1, 3)},
+                        "sm_scale": "the toy family's scale is fixed (applying it twice must change every case)"}
 
     def cases(self):
         return toy_cases(self.name)

@@ -1,0 +1,208 @@
+"""Parameter coverage: every parameter a kernel accepts, and the values it took in a run.
+
+The parameter surface is read off the call itself, not listed by hand: before a case runs,
+the spec's ``run`` is called with a *probe* in place of the implementation. The probe
+binds the arguments to the implementation's signature and records one value per
+parameter: a keyword's value (or that it was left to its default), the fields of a config
+object (a dataclass or NamedTuple such as ``BlockSizes``, field by field), the dtype and
+every axis of an array (``q.shape[2]``). Then it stops the call: no kernel runs.
+
+A call without any array argument is a factory (``make_splash_mha(mask, ...)`` builds the
+kernel it returns): the probe lets it run and probes the returned callable's call too
+(``call.q.shape[0]``). An implementation whose ``**kwargs`` are forwarded to another
+function is given that function by the spec (``KernelSpec.keyword_targets``), so the
+keywords it accepts are part of the surface as well.
+
+A parameter that kept one value across a run is a blind spot: a bug that only shows when
+it varies (an index map, a grid size rounded the wrong way, a tile covering more than one
+of something) cannot be observed. ``--attncheck-require-coverage`` fails the run for each,
+unless the spec declares it fixed, with the reason (``KernelSpec.fixed_parameters``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+DEFAULT = "<default>"
+TRACED = "<traced>"
+CALL = "call"
+# Values are recorded as short strings; the report lists at most this many per parameter.
+MAX_LISTED_VALUES = 12
+
+
+class Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the spec's run
+    """Raised by the probe once the computation's arguments are recorded."""
+
+    def __init__(self, surface: dict[str, str]):
+        super().__init__("parameters recorded")
+        self.surface = surface
+
+
+def _is_array(value) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type)
+
+
+def _scalar(value) -> str:
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else str(value)
+    return repr(value)
+
+
+def describe(name: str, value: Any, out: dict[str, str], depth: int = 0, optional: bool = False) -> None:
+    """Record ``value`` of parameter ``name`` (recursing into arrays, configs, sequences);
+    an ``optional`` parameter (default None) records whether it was given too."""
+    if value is inspect.Parameter.empty:
+        out[name] = DEFAULT
+    elif value is None or isinstance(value, (bool, str, numbers.Number)):
+        out[name] = _scalar(value)
+    elif _is_array(value):
+        if value.shape == ():
+            out[name] = TRACED  # a traced scalar: its value is data, not a parameter
+        elif optional:
+            out[name] = "<array>"
+        out[f"{name}.dtype"] = str(value.dtype)
+        for axis, size in enumerate(value.shape):
+            out[f"{name}.shape[{axis}]"] = str(size)
+    elif depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out[name] = type(value).__name__
+        for f in dataclasses.fields(value):
+            describe(f"{name}.{f.name}", getattr(value, f.name), out, depth + 1)
+    elif depth < 3 and isinstance(value, tuple) and hasattr(value, "_fields"):
+        out[name] = type(value).__name__
+        for field in value._fields:
+            describe(f"{name}.{field}", getattr(value, field), out, depth + 1)
+    elif depth < 3 and isinstance(value, (list, tuple)) and len(value) <= 16:
+        out[f"{name}.len"] = str(len(value))
+        for i, item in enumerate(value):
+            describe(f"{name}[{i}]", item, out, depth + 1)
+    elif callable(value):
+        out[name] = getattr(value, "__qualname__", type(value).__name__)
+    else:
+        out[name] = type(value).__name__
+        shape = getattr(value, "shape", None)  # a mask object with a shape
+        if isinstance(shape, tuple):
+            for axis, size in enumerate(shape):
+                out[f"{name}.shape[{axis}]"] = str(size)
+
+
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def surface(fn: Callable, args: tuple, kwargs: dict, keyword_targets: Iterable[Callable] = (),
+            prefix: str = "") -> dict[str, str]:
+    """One value per parameter of ``fn`` for this call (``DEFAULT`` where it was left out)."""
+    out: dict[str, str] = {}
+    signature = _signature(fn)
+    if signature is None:
+        for i, value in enumerate(args):
+            describe(f"{prefix}args[{i}]", value, out)
+        for name, value in kwargs.items():
+            describe(f"{prefix}{name}", value, out)
+        return out
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            forwarded = dict(bound.get(name, {}))
+            targets = [p for target in keyword_targets if (s := _signature(target)) is not None
+                       for p in s.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+            for target in targets:
+                if target.name not in signature.parameters:
+                    describe(f"{prefix}{target.name}", forwarded.pop(target.name, target.default), out,
+                             optional=target.default is None)
+            for key, value in forwarded.items():
+                describe(f"{prefix}{key}", value, out)
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            for i, value in enumerate(bound.get(name, ())):
+                describe(f"{prefix}{name}[{i}]", value, out)
+        else:  # a parameter left out takes its default: that is the value it had
+            describe(f"{prefix}{name}", bound.get(name, parameter.default), out, optional=parameter.default is None)
+    return out
+
+
+def _has_array(args: tuple, kwargs: dict) -> bool:
+    values = [*args, *kwargs.values()]
+    return any(_is_array(v) or (isinstance(v, (list, tuple)) and any(_is_array(x) for x in v)) for v in values)
+
+
+def probe(impl: Callable, keyword_targets: Iterable[Callable] = ()) -> Callable:
+    """A stand-in for ``impl`` that records its call's parameters and raises ``Probed``."""
+    keyword_targets = tuple(keyword_targets)
+
+    @functools.wraps(impl)
+    def probed(*args, **kwargs):
+        recorded = surface(impl, args, kwargs, keyword_targets)
+        if _has_array(args, kwargs):
+            raise Probed(recorded)
+        built = impl(*args, **kwargs)  # a factory: its product is what computes
+
+        def call(*call_args, **call_kwargs):
+            raise Probed({**recorded, **surface(built, call_args, call_kwargs, prefix=f"{CALL}.")})
+
+        return call
+
+    # A distinct identity: the spec's compiled-callable cache must never serve the probe
+    # for the implementation, nor the implementation for the probe.
+    probed.__qualname__ = f"{getattr(impl, '__qualname__', 'impl')}<probe>"
+    return probed
+
+
+def record(run: Callable[[Callable], Any], impl: Callable, keyword_targets: Iterable[Callable] = ()
+           ) -> dict[str, str] | None:
+    """The parameters ``run(impl)`` passes to ``impl``; None when the run never reaches it
+    (its error, if any, shows when the case really runs)."""
+    try:
+        run(probe(impl, keyword_targets))
+    except Probed as found:
+        return found.surface
+    except Exception:  # noqa: BLE001 - the case itself will say what is wrong
+        return None
+    return None
+
+
+# ------------------------------------------------------------------ the table
+@dataclasses.dataclass
+class ParameterValues:
+    """The values one parameter of a family took, and in how many cases each."""
+
+    cases: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def varied(self) -> bool:
+        return len(self.cases) > 1
+
+
+def table(surfaces: Iterable[tuple[str, Mapping[str, str]]]) -> dict[str, dict[str, ParameterValues]]:
+    """family -> parameter -> values, from (family, surface) of every case run once."""
+    result: dict[str, dict[str, ParameterValues]] = {}
+    for family, found in surfaces:
+        params = result.setdefault(family, {})
+        for name, value in found.items():
+            counts = params.setdefault(name, ParameterValues()).cases
+            counts[value] = counts.get(value, 0) + 1
+    return {family: dict(sorted(params.items())) for family, params in sorted(result.items())}
+
+
+def fixed_reason(name: str, fixed: Mapping[str, str]) -> str | None:
+    """Why the spec keeps a parameter at one value (in a pattern, ``*`` stands for anything)."""
+    return next((reason for pattern, reason in fixed.items()
+                 if re.fullmatch(re.escape(pattern).replace(r"\*", ".*"), name)), None)
+
+
+def unvaried(counts: Mapping[str, Mapping[str, ParameterValues]],
+             fixed: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
+    """family -> parameters that kept one value and are not declared fixed."""
+    holes = {family: [f"{name} (always {next(iter(values.cases))})" for name, values in params.items()
+                      if not values.varied and fixed_reason(name, fixed.get(family, {})) is None]
+             for family, params in counts.items()}
+    return {family: names for family, names in holes.items() if names}

@@ -1,0 +1,116 @@
+"""Parameter coverage: the surface read off a kernel call, and the check that every
+parameter varied in a run (or is declared fixed, with the reason)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attncheck import parameters
+from tests.selftest import toy_spec
+
+pytest_plugins = ("pytester",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    block_q: int = 128
+    block_k: int = 128
+
+
+class Segments(NamedTuple):
+    q: jax.Array
+    kv: jax.Array
+
+
+def kernel(q, k, v, ab=None, segment_ids=None, *, causal=False, sm_scale=1.0, block_sizes=None, debug=False):
+    return q
+
+
+def sharded(q, k, v, *, num_devices=None, **kwargs):
+    return q
+
+
+def target(q, k, v, *, axis_name, causal=False, precision=None):
+    return q
+
+
+def test_the_surface_names_every_keyword_config_field_and_array_axis():
+    q = np.zeros((2, 4, 8, 16), np.float32)
+    seg = Segments(np.zeros((2, 8), np.int32), np.zeros((2, 8), np.int32))
+    found = parameters.surface(kernel, (q, q, q), dict(segment_ids=seg, causal=True, block_sizes=Blocks(64)))
+    assert found == {
+        "q.dtype": "float32", "q.shape[0]": "2", "q.shape[1]": "4", "q.shape[2]": "8", "q.shape[3]": "16",
+        "k.dtype": "float32", "k.shape[0]": "2", "k.shape[1]": "4", "k.shape[2]": "8", "k.shape[3]": "16",
+        "v.dtype": "float32", "v.shape[0]": "2", "v.shape[1]": "4", "v.shape[2]": "8", "v.shape[3]": "16",
+        "ab": "None", "segment_ids": "Segments", "segment_ids.q.dtype": "int32", "segment_ids.q.shape[0]": "2",
+        "segment_ids.q.shape[1]": "8", "segment_ids.kv.dtype": "int32", "segment_ids.kv.shape[0]": "2",
+        "segment_ids.kv.shape[1]": "8", "causal": "True", "sm_scale": "1.0",
+        "block_sizes": "Blocks", "block_sizes.block_q": "64", "block_sizes.block_k": "128",
+        "debug": "False"}  # a keyword left out has its default
+    # An optional array is a parameter value too: given or None.
+    assert parameters.surface(kernel, (q, q, q, q), {})["ab"] == "<array>"
+
+
+def test_keywords_forwarded_through_kwargs_come_from_the_function_they_reach():
+    q = np.zeros((1, 8, 2, 4), np.float32)
+    found = parameters.surface(sharded, (q, q, q), dict(num_devices=2, causal=True), keyword_targets=[target])
+    assert (found["num_devices"], found["causal"], found["precision"]) == ("2", "True", "None")
+    assert found["axis_name"] == parameters.DEFAULT and "kwargs" not in found  # required there: no default
+
+
+def test_the_probe_records_without_running_the_kernel_even_inside_jit_and_vjp():
+    ran = []
+
+    def impl(q, k, *, scale):
+        ran.append(1)
+        return q * scale
+
+    def run(fn):  # what a spec's run does: jit, vjp, a traced scalar
+        return jax.jit(lambda q, k, s: jax.vjp(lambda q: fn(q, k, scale=s), q)[0])(jnp.ones(3), jnp.ones(4), 2.0)
+
+    found = parameters.record(run, impl)
+    assert found == {"q.dtype": "float32", "q.shape[0]": "3", "k.dtype": "float32", "k.shape[0]": "4",
+                     "scale": parameters.TRACED, "scale.dtype": "float32"}
+    assert ran == []
+    assert parameters.record(lambda fn: 1 / 0, impl) is None  # never reached: nothing to record
+
+
+def test_a_factory_runs_and_its_product_is_probed():
+    def make(mask_name, *, block=128):
+        return lambda q, *, cap=None: q
+
+    found = parameters.record(lambda fn: fn("causal", block=64)(np.zeros((2, 8))), make)
+    assert found == {"mask_name": "'causal'", "block": "64", "call.q.dtype": "float64", "call.q.shape[0]": "2",
+                     "call.q.shape[1]": "8", "call.cap": "None"}
+
+
+def test_a_parameter_that_kept_one_value_is_unvaried_unless_declared_fixed():
+    counts = parameters.table([("f", {"a": "1", "b": "x", "q.shape[0]": "2"}),
+                               ("f", {"a": "2", "b": "x", "q.shape[0]": "2"})])
+    assert counts["f"]["a"].cases == {"1": 1, "2": 1} and not counts["f"]["b"].varied
+    assert parameters.unvaried(counts, {}) == {"f": ["b (always x)", "q.shape[0] (always 2)"]}
+    assert parameters.unvaried(counts, {"f": {"*.shape[0]": "batch fixed"}}) == {"f": ["b (always x)"]}
+    assert parameters.fixed_reason("q.shape[0]", {"q.shape[*]": "batch fixed"}) == "batch fixed"
+    assert parameters.fixed_reason("q.shape[1]", {"q.shape[0]": "only axis 0"}) is None  # brackets are literal
+
+
+def test_a_keyword_the_spec_never_passes_fails_the_gate(pytester, monkeypatch):
+    """The check is generic: a keyword added to an implementation shows up as never varied
+    without anyone touching the spec."""
+    toy_spec.setup_gate_dir(pytester, monkeypatch)
+    result = toy_spec.run_gate(pytester, "rep", "--attncheck-require-coverage", "-k", "not invalid",
+                               toy_spec.impl_option("toy_attention_new_keyword"))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    report = toy_spec.load_report(pytester.path / "rep")
+    assert report["verdict"] == "FAIL" and report["totals"]["failures"] == 0
+    assert report["problems"] == ["parameter coverage: toy_attention never varied window (always None)"]
+    assert report["parameters"]["toy_attention"]["window"] == {"None": report["totals"]["cases"]}
+    # The built-in implementation, without the keyword: every parameter varied or is declared fixed.
+    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-require-coverage", "-k", "not invalid")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
