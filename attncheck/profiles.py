@@ -12,6 +12,8 @@ import hashlib
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.internal.conjecture import providers
+from hypothesis.internal.constants_ast import Constants
 
 # The CI profile skips shrinking: interpret mode makes each shrink step cost seconds, and
 # the recorded case id already is an exact, one-command reproducer.
@@ -27,6 +29,17 @@ settings.register_profile(
 settings.register_profile(
     "nightly", deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _no_local_constants() -> Constants:
+    return Constants()
+
+
+# Hypothesis mixes literals found in the loaded local modules into its draws; which
+# modules a worker has loaded depends on test order and worker count, so a derandomized
+# run would draw different cases on different runners. The gate draws without them.
+providers._get_local_constants = _no_local_constants
+providers.CONSTANTS_CACHE.cache.clear()
 
 
 def load_default() -> None:
