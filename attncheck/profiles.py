@@ -42,6 +42,12 @@ providers._get_local_constants = _no_local_constants
 providers.CONSTANTS_CACHE.cache.clear()
 
 
+def wide() -> bool:
+    """Whether static shapes are drawn from the wide set (the nightly profile's), not from
+    the few buckets of the CI profile (``strategies.Shapes``)."""
+    return settings.get_current_profile_name() == "nightly"
+
+
 def load_default() -> None:
     """The profile of a run that named none: ``ci`` under CI, else ``dev``."""
     settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")

@@ -6,9 +6,13 @@ reused); arrays are made from a seed by the builders below, so a case replays ex
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
+
+from attncheck import profiles
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Value distributions. Uniform [0, 1) is deliberately absent: all-positive inputs hide sign
@@ -19,6 +23,19 @@ VALUE_KINDS = ("normal", "large", "ties")
 LARGE_LOGIT_STD = 4.0
 # Seeds are 32-bit: enough variety, and short in reproducer commands.
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Static choices of a family (lengths, head dims, layouts): a few buckets in the CI
+    profile, so that one compile serves many cases, and a wide set of valid values in the
+    nightly profile, which has the time for a compile per case."""
+
+    ci: tuple
+    nightly: tuple
+
+    def __call__(self) -> tuple:
+        return self.nightly if profiles.wide() else self.ci
 
 
 def dtype_of(name: str) -> np.dtype:
