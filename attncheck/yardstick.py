@@ -32,6 +32,10 @@ import numpy as np
 # Finite, so fully masked rows become a uniform softmax (the "mean_of_v" convention) and
 # never a NaN that a jnp.where would still leak into gradients.
 _MASKED_LOGIT = -1e30
+# A key that takes no part: underflows against any other logit, the mask value included,
+# so a row with fallback keys (the logits a kernel replaces by its mask value) averages
+# them alone.
+_HIDDEN_LOGIT = -3e38
 
 
 def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
@@ -70,10 +74,12 @@ def _softmax_times_v_fwd(s, v, multiplier, seq_major):
 def _softmax_times_v_bwd(seq_major, residuals, d_out):
     s, lse, v, multiplier, out = residuals
     # P is recomputed from the logits and the log-sum-exp, as flash backward kernels do. A
-    # fully masked row's lse, _MASKED_LOGIT + log K, rounds to _MASKED_LOGIT in float32, which
-    # would make its P 1 instead of 1/K: its uniform P is written as such.
-    fully_masked = jnp.max(s, axis=-1, keepdims=True) <= _MASKED_LOGIT
-    p_raw = jnp.where(fully_masked, 1.0 / s.shape[-1], jnp.exp(s - lse))
+    # row without visible keys has lse = its (mask) logit + log n, which rounds to the logit
+    # in float32 and would make its P 1 instead of 1/n: its uniform P over the n keys at
+    # its maximum is written as such.
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    at_max = s == row_max
+    p_raw = jnp.where(row_max <= _MASKED_LOGIT, at_max / jnp.sum(at_max, axis=-1, keepdims=True), jnp.exp(s - lse))
     d_out = d_out.astype(jnp.float32)
     dv = jnp.einsum("bhqk,bhqd->bhkd", (p_raw * multiplier).astype(v.dtype), d_out.astype(v.dtype),
                     preferred_element_type=jnp.float32).astype(v.dtype)
@@ -89,7 +95,8 @@ _softmax_times_v.defvjp(_softmax_times_v_fwd, _softmax_times_v_bwd)
 # The scale and the soft cap are traced, not static: drawn cases use several values of each,
 # and one compile per value was a third of the baseline's compiles.
 @functools.partial(jax.jit, static_argnames=("masked_rows", "seq_major"))
-def _attention(q, k, v, ab, bias, visible, multiplier=None, *, scale, soft_cap, masked_rows, seq_major=False):
+def _attention(q, k, v, ab, bias, visible, multiplier=None, fallback=None, *, scale, soft_cap, masked_rows,
+               seq_major=False):
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
     v = jnp.repeat(v, group, axis=1)
@@ -105,29 +112,34 @@ def _attention(q, k, v, ab, bias, visible, multiplier=None, *, scale, soft_cap, 
         s = s + bias.astype(jnp.float32)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(visible, s, _MASKED_LOGIT)
+    # A fallback key's logit is replaced as a kernel does with its mask value (s + mask
+    # value rounds to it in float32) while its derivative still flows through s.
+    hidden = _MASKED_LOGIT if fallback is None else jnp.where(fallback, s + _MASKED_LOGIT, _HIDDEN_LOGIT)
+    s = jnp.where(visible, s, hidden)
     out = _softmax_times_v(s, v, jnp.float32(1.0) if multiplier is None else multiplier, seq_major)
     if masked_rows == "zero":
-        out = jnp.where(jnp.any(visible, axis=-1)[..., None], out, 0.0)
+        seen = visible if fallback is None else visible | fallback
+        out = jnp.where(jnp.any(seen, axis=-1)[..., None], out, 0.0)
     return out.astype(q.dtype)
 
 
 def attention(q, k, v, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
               masked_rows="mean_of_v") -> np.ndarray:
-    """Baseline forward output only."""
+    """Yardstick forward output only."""
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     return np.asarray(_attention(q, k, v, ab, bias, visible, scale=scale, soft_cap=soft_cap,
                                  masked_rows=masked_rows))
 
 
-def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
+def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=None, fallback=None, soft_cap=None,
                          masked_rows="mean_of_v", seq_major=False, dropout_multiplier=None) -> dict[str, np.ndarray]:
-    """Baseline output and gradients ("out", "dq", "dk", "dv", and "dab"/"dbias" if given)."""
+    """Yardstick output and gradients ("out", "dq", "dk", "dv", and "dab"/"dbias" if given);
+    ``fallback``: the keys a row with no visible key averages (the oracle's fallback)."""
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     names = ["dq", "dk", "dv"] + (["dab"] if ab is not None else []) + (["dbias"] if bias is not None else [])
-    out, grads = _forward_and_grads(q, k, v, ab, bias, visible, dropout_multiplier, d_out, scale=scale,
+    out, grads = _forward_and_grads(q, k, v, ab, bias, visible, dropout_multiplier, fallback, d_out, scale=scale,
                                     soft_cap=soft_cap, masked_rows=masked_rows, seq_major=seq_major)
     result = {"out": np.asarray(out)}
     result.update({n: np.asarray(g) for n, g in zip(names, grads)})
@@ -135,11 +147,12 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
 
 
 @functools.partial(jax.jit, static_argnames=("masked_rows", "seq_major"))
-def _forward_and_grads(q, k, v, ab, bias, visible, multiplier, d_out, *, scale, soft_cap, masked_rows, seq_major):
+def _forward_and_grads(q, k, v, ab, bias, visible, multiplier, fallback, d_out, *, scale, soft_cap, masked_rows,
+                       seq_major):
     """One compiled forward + VJP per shape and configuration (tracing the VJP per case
     was most of the harness's own time)."""
     def f(q, k, v, ab, bias):
-        return _attention(q, k, v, ab, bias, visible, multiplier, scale=scale, soft_cap=soft_cap,
+        return _attention(q, k, v, ab, bias, visible, multiplier, fallback, scale=scale, soft_cap=soft_cap,
                           masked_rows=masked_rows, seq_major=seq_major)
 
     differentiable = [x for x in (ab, bias) if x is not None]
