@@ -48,9 +48,10 @@ def cmd_gate(args, extra: list[str]) -> int:
 
 
 def _describe_index(spec, direction: str, index) -> str:
-    names = spec.index_names(direction)
-    if not names or len(names) != len(index):
+    names = spec.index_names(direction)  # of the trailing axes; leading ones are numbered
+    if not names or len(names) > len(index):
         return str(tuple(index))
+    names = tuple(f"axis{i}" for i in range(len(index) - len(names))) + tuple(names)
     return ", ".join(f"{n}={i}" for n, i in zip(names, index))
 
 

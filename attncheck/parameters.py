@@ -32,6 +32,7 @@ from typing import Any
 
 DEFAULT = "<default>"
 TRACED = "<traced>"
+ARRAY = "<array>"
 CALL = "call"
 # Values are recorded as short strings; the report lists at most this many per parameter.
 MAX_LISTED_VALUES = 12
@@ -55,27 +56,30 @@ def _scalar(value) -> str:
     return repr(value)
 
 
-def describe(name: str, value: Any, out: dict[str, str], depth: int = 0, optional: bool = False) -> None:
-    """Record ``value`` of parameter ``name`` (recursing into arrays, configs, sequences);
-    an ``optional`` parameter (default None) records whether it was given too."""
+def is_presence(value: str) -> bool:
+    """A value that says only that an array or config object was given (its axes and
+    fields carry its variety) or that a scalar was traced (data, not a parameter)."""
+    return value.startswith("<") and value != DEFAULT
+
+
+def describe(name: str, value: Any, out: dict[str, str], depth: int = 0) -> None:
+    """Record ``value`` of parameter ``name`` (recursing into arrays, configs, sequences).
+    An array or a config object records its presence too: an optional one is given or None."""
     if value is inspect.Parameter.empty:
         out[name] = DEFAULT
     elif value is None or isinstance(value, (bool, str, numbers.Number)):
         out[name] = _scalar(value)
     elif _is_array(value):
-        if value.shape == ():
-            out[name] = TRACED  # a traced scalar: its value is data, not a parameter
-        elif optional:
-            out[name] = "<array>"
+        out[name] = TRACED if value.shape == () else ARRAY  # a traced scalar's value is data
         out[f"{name}.dtype"] = str(value.dtype)
         for axis, size in enumerate(value.shape):
             out[f"{name}.shape[{axis}]"] = str(size)
     elif depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out[name] = type(value).__name__
+        out[name] = f"<{type(value).__name__}>"
         for f in dataclasses.fields(value):
             describe(f"{name}.{f.name}", getattr(value, f.name), out, depth + 1)
     elif depth < 3 and isinstance(value, tuple) and hasattr(value, "_fields"):
-        out[name] = type(value).__name__
+        out[name] = f"<{type(value).__name__}>"
         for field in value._fields:
             describe(f"{name}.{field}", getattr(value, field), out, depth + 1)
     elif depth < 3 and isinstance(value, (list, tuple)) and len(value) <= 16:
@@ -118,15 +122,14 @@ def surface(fn: Callable, args: tuple, kwargs: dict, keyword_targets: Iterable[C
                        for p in s.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
             for target in targets:
                 if target.name not in signature.parameters:
-                    describe(f"{prefix}{target.name}", forwarded.pop(target.name, target.default), out,
-                             optional=target.default is None)
+                    describe(f"{prefix}{target.name}", forwarded.pop(target.name, target.default), out)
             for key, value in forwarded.items():
                 describe(f"{prefix}{key}", value, out)
         elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
             for i, value in enumerate(bound.get(name, ())):
                 describe(f"{prefix}{name}[{i}]", value, out)
         else:  # a parameter left out takes its default: that is the value it had
-            describe(f"{prefix}{name}", bound.get(name, parameter.default), out, optional=parameter.default is None)
+            describe(f"{prefix}{name}", bound.get(name, parameter.default), out)
     return out
 
 
@@ -201,8 +204,10 @@ def fixed_reason(name: str, fixed: Mapping[str, str]) -> str | None:
 
 def unvaried(counts: Mapping[str, Mapping[str, ParameterValues]],
              fixed: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
-    """family -> parameters that kept one value and are not declared fixed."""
-    holes = {family: [f"{name} (always {next(iter(values.cases))})" for name, values in params.items()
-                      if not values.varied and fixed_reason(name, fixed.get(family, {})) is None]
+    """family -> parameters that kept one value and are not declared fixed (an array or
+    config that was always given is not one: its axes and fields are)."""
+    holes = {family: [f"{name} (always {value})" for name, values in params.items()
+                      if not values.varied and not is_presence(value := next(iter(values.cases)))
+                      and fixed_reason(name, fixed.get(family, {})) is None]
              for family, params in counts.items()}
     return {family: names for family, names in holes.items() if names}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import inspect
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
@@ -178,6 +179,19 @@ class KernelSpec(abc.ABC, Generic[P]):
         is exercised on every run. The message naming the argument (``match``) is the
         contract; ``error`` is the class the family's own implementations raise."""
         return []
+
+
+def accepted_keywords(impl: Callable, **keywords) -> dict[str, Any]:
+    """The keywords ``impl`` accepts, of options beyond a convention's required ones (an
+    implementation's own knobs: a kernel exposing them has them varied, another is called
+    without them). None values are left to the implementation's defaults."""
+    try:
+        parameters = inspect.signature(impl).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return {name: value for name, value in keywords.items()
+            if value is not None and (takes_any or name in parameters)}
 
 
 def resolve_impl(ref: str) -> Callable:

@@ -177,7 +177,7 @@ def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, vali
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     # The hanging test fails with the timeout; the other tests still ran and passed.
     result.assert_outcomes(failed=1, passed=INVALID_TESTS)
-    result.stdout.re_match_lines([r".*Failed: Timeout \(>5\.0s\) from pytest-timeout", f"FAILED {re.escape(USER_TEST)}"])
+    result.stdout.re_match_lines([rf"FAILED {re.escape(USER_TEST)} - Failed: Timeout \(>5\.0s\) from pytest-timeout"])
     report = check_report(gate_dir / "rep", validator)
     assert report["complete"] is True and report["verdict"] == "FAIL"
     # The hung case never produced a comparison: its started marker names it.

@@ -45,13 +45,14 @@ def test_the_surface_names_every_keyword_config_field_and_array_axis():
     seg = Segments(np.zeros((2, 8), np.int32), np.zeros((2, 8), np.int32))
     found = parameters.surface(kernel, (q, q, q), dict(segment_ids=seg, causal=True, block_sizes=Blocks(64)))
     assert found == {
-        "q.dtype": "float32", "q.shape[0]": "2", "q.shape[1]": "4", "q.shape[2]": "8", "q.shape[3]": "16",
+        "q": "<array>", "k": "<array>", "v": "<array>", "q.dtype": "float32", "q.shape[0]": "2", "q.shape[1]": "4", "q.shape[2]": "8", "q.shape[3]": "16",
         "k.dtype": "float32", "k.shape[0]": "2", "k.shape[1]": "4", "k.shape[2]": "8", "k.shape[3]": "16",
         "v.dtype": "float32", "v.shape[0]": "2", "v.shape[1]": "4", "v.shape[2]": "8", "v.shape[3]": "16",
-        "ab": "None", "segment_ids": "Segments", "segment_ids.q.dtype": "int32", "segment_ids.q.shape[0]": "2",
+        "ab": "None", "segment_ids": "<Segments>", "segment_ids.q": "<array>", "segment_ids.kv": "<array>",
+        "segment_ids.q.dtype": "int32", "segment_ids.q.shape[0]": "2",
         "segment_ids.q.shape[1]": "8", "segment_ids.kv.dtype": "int32", "segment_ids.kv.shape[0]": "2",
         "segment_ids.kv.shape[1]": "8", "causal": "True", "sm_scale": "1.0",
-        "block_sizes": "Blocks", "block_sizes.block_q": "64", "block_sizes.block_k": "128",
+        "block_sizes": "<Blocks>", "block_sizes.block_q": "64", "block_sizes.block_k": "128",
         "debug": "False"}  # a keyword left out has its default
     # An optional array is a parameter value too: given or None.
     assert parameters.surface(kernel, (q, q, q, q), {})["ab"] == "<array>"
@@ -75,8 +76,8 @@ def test_the_probe_records_without_running_the_kernel_even_inside_jit_and_vjp():
         return jax.jit(lambda q, k, s: jax.vjp(lambda q: fn(q, k, scale=s), q)[0])(jnp.ones(3), jnp.ones(4), 2.0)
 
     found = parameters.record(run, impl)
-    assert found == {"q.dtype": "float32", "q.shape[0]": "3", "k.dtype": "float32", "k.shape[0]": "4",
-                     "scale": parameters.TRACED, "scale.dtype": "float32"}
+    assert found == {"q": "<array>", "q.dtype": "float32", "q.shape[0]": "3", "k": "<array>", "k.dtype": "float32",
+                     "k.shape[0]": "4", "scale": parameters.TRACED, "scale.dtype": "float32"}
     assert ran == []
     assert parameters.record(lambda fn: 1 / 0, impl) is None  # never reached: nothing to record
 
@@ -86,13 +87,13 @@ def test_a_factory_runs_and_its_product_is_probed():
         return lambda q, *, cap=None: q
 
     found = parameters.record(lambda fn: fn("causal", block=64)(np.zeros((2, 8))), make)
-    assert found == {"mask_name": "'causal'", "block": "64", "call.q.dtype": "float64", "call.q.shape[0]": "2",
-                     "call.q.shape[1]": "8", "call.cap": "None"}
+    assert found == {"mask_name": "'causal'", "block": "64", "call.q": "<array>", "call.q.dtype": "float64",
+                     "call.q.shape[0]": "2", "call.q.shape[1]": "8", "call.cap": "None"}
 
 
 def test_a_parameter_that_kept_one_value_is_unvaried_unless_declared_fixed():
-    counts = parameters.table([("f", {"a": "1", "b": "x", "q.shape[0]": "2"}),
-                               ("f", {"a": "2", "b": "x", "q.shape[0]": "2"})])
+    counts = parameters.table([("f", {"a": "1", "b": "x", "q.shape[0]": "2", "q": "<array>", "s": "<traced>"}),
+                               ("f", {"a": "2", "b": "x", "q.shape[0]": "2", "q": "<array>", "s": "<traced>"})])
     assert counts["f"]["a"].cases == {"1": 1, "2": 1} and not counts["f"]["b"].varied
     assert parameters.unvaried(counts, {}) == {"f": ["b (always x)", "q.shape[0] (always 2)"]}
     assert parameters.unvaried(counts, {"f": {"*.shape[0]": "batch fixed"}}) == {"f": ["b (always x)"]}
