@@ -1,19 +1,18 @@
 """Flash attention family: ``flash_attention(q, k, v, ab=None, segment_ids=None, *, causal,
 sm_scale, block_sizes)`` on [B, H, S, D] (the convention of jax's bundled TPU kernel).
 
-Mapped onto the oracle:
+Mapped onto the oracle (the kernel's module docstring states each of these exactly):
 - logits = (q.k + ab) * sm_scale  ->  oracle bias = ab * sm_scale, d_ab = d_bias * sm_scale;
-- causal is top-left: key j visible to query i iff j <= i (positions 0..Q-1, 0..K-1);
-- segment ids: visible iff equal;
-- fully masked rows (a query whose segment id is absent from kv) get the additive mask
-  value on every logit, so the softmax is uniform: the output is the mean of v over all
-  keys ("mean_of_v"). With causal block skipping the kernel never visits blocks above the
-  diagonal, so that mean would depend on the block sizes: absent segments are drawn only
-  for non-causal cases. The *gradient* through such a row is implementation-defined (the
-  forward is constant in q and k after the mask value absorbs the logits, yet kernels,
-  jax's bundled one included, backpropagate the uniform softmax as if it were not): the
-  cotangent of those rows is zero, as it is when a user masks the loss on padding. A NaN
-  produced there still propagates (0 * NaN) and fails the case.
+- causal is top-left: key j visible to query i iff j <= i (positions 0..Q-1, 0..K-1); a
+  causally hidden key takes no part, so causal block skipping changes nothing;
+- segment ids: a key of another segment has its logit *replaced* by the mask value. A row
+  that sees no key of its own segment (its segment is absent from kv, or every such key
+  has a -inf bias) averages v uniformly over the causally visible keys of other segments,
+  and its gradient is the softmax gradient at those uniform weights, through the logits
+  (the oracle's ``fallback``), in every masking mode, causal included;
+- a -inf entry of ab takes no part; a row whose visible keys all have -inf (and no other
+  segment to fall back on) is 0 with zero gradient; NaN or +inf in ab at a key the mask
+  hides (causally, or by segment) changes nothing.
 """
 
 from __future__ import annotations
@@ -31,11 +30,19 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, accepted_keywords
 
 FAMILY = "flash_attention"
-SEQ_LENS = (128, 256, 384, 512)
-HEAD_DIMS = (64, 128)
+# What the ab entries hold besides normal values: -inf entries (some keys and one whole row
+# of each [batch, head]), or NaN and +inf where the mask hides the key.
+BIAS_VALUE_KINDS = ("normal", "neg_inf", "nonfinite_masked")
+SEGMENT_DTYPES = ("int32", "int16")
+# None: the kernel's default; interpret mode has no VMEM, tpu-lower passes it to Mosaic.
+VMEM_LIMITS = (None, 64 * 1024 * 1024)
+SEQ_LENS = S.Shapes(ci=(128, 256, 384, 512), nightly=tuple(range(128, 1025, 128)))
+HEAD_DIMS = S.Shapes(ci=(64, 128), nightly=(64, 128, 256))
+# batch * heads <= 2 keeps CI's interpret-mode grids small; both axes still vary.
+BATCH_HEADS = S.Shapes(ci=((1, 1), (2, 1), (1, 2)), nightly=((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 3)))
 NUM_LANES = 128  # kv-side blocks are lane-dimension tiles
 # A query segment id that never occurs in kv: its rows are fully masked.
 ABSENT_SEGMENT = 1000
@@ -45,8 +52,9 @@ BLOCK_FIELDS = ("block_q", "block_k_major", "block_k", "block_b", "block_q_major
 
 
 @st.composite
-def block_sizes(draw, q_len: int, kv_len: int) -> tuple[tuple[str, int], ...]:
-    """Valid block sizes for the shape; several per shape, k_major > k reachable."""
+def block_sizes(draw, q_len: int, kv_len: int, batch: int) -> tuple[tuple[str, int], ...]:
+    """Valid block sizes for the shape; several per shape, k_major > k reachable, a
+    forward tile over several batch elements reachable."""
     q_blocks = S.divisors(q_len, NUM_LANES)
     k_majors = S.divisors(kv_len, NUM_LANES)
     block_q = draw(st.sampled_from(q_blocks))
@@ -54,12 +62,14 @@ def block_sizes(draw, q_len: int, kv_len: int) -> tuple[tuple[str, int], ...]:
     block_k = draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))
     q_major_dkv = draw(st.sampled_from(q_blocks))
     k_major_dkv = draw(st.sampled_from(k_majors))
-    return (("block_q", block_q), ("block_k_major", k_major), ("block_k", block_k), ("block_b", 1),
+    k_major_dq = draw(st.sampled_from(k_majors))
+    return (("block_q", block_q), ("block_k_major", k_major), ("block_k", block_k),
+            ("block_b", draw(st.sampled_from(S.divisors(batch, 1)))),
             ("block_q_major_dkv", q_major_dkv), ("block_k_major_dkv", k_major_dkv),
             ("block_k_dkv", draw(st.sampled_from(S.divisors(k_major_dkv, NUM_LANES)))),
             ("block_q_dkv", draw(st.sampled_from(S.divisors(q_major_dkv, NUM_LANES)))),
-            ("block_k_major_dq", draw(st.sampled_from(k_majors))),
-            ("block_k_dq", NUM_LANES), ("block_q_dq", draw(st.sampled_from(q_blocks))))
+            ("block_k_major_dq", k_major_dq), ("block_k_dq", draw(st.sampled_from(S.divisors(k_major_dq, NUM_LANES)))),
+            ("block_q_dq", draw(st.sampled_from(q_blocks))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +87,9 @@ class FlashParams(Params):
     segment_starts: tuple[int, ...]
     values: str  # an S.VALUE_KINDS distribution
     blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
+    bias_values: str = "normal"  # a BIAS_VALUE_KINDS pattern of the ab entries
+    segment_dtype: str = "int32"
+    vmem_limit_bytes: int | None = None
 
     @property
     def sequence_length(self) -> int:
@@ -138,6 +151,15 @@ def _varies_across_tiles(ids: np.ndarray, tile: int) -> bool:
     return bool((tiles != tiles[0]).any())
 
 
+def causal_absent_rows_skip_blocks(p: FlashParams) -> bool:
+    """Some query of the absent segment (the last segment) has a whole kv block of some pass
+    above its diagonal: the block skip must not change what the row falls back on."""
+    if not (p.causal and p.segments == "absent"):
+        return False
+    first_absent = p.segment_starts[-1]
+    return any(p.kv_len - kv_block > first_absent for _, kv_block in pass_tiles(p))
+
+
 def segments_vary_across_tiles(p: FlashParams) -> bool:
     """In every pass, some q tile holds other segment ids than the first q tile, and some
     kv block other ids than the first kv block: a segment-id index map that fetches the
@@ -152,21 +174,24 @@ def segments_vary_across_tiles(p: FlashParams) -> bool:
 
 @st.composite
 def flash_cases(draw) -> Case:
-    q_len = draw(st.sampled_from(SEQ_LENS))
-    kv_len = draw(st.sampled_from((q_len,) + SEQ_LENS))  # equal lengths are the common case
+    q_len = draw(st.sampled_from(SEQ_LENS()))
+    kv_len = draw(st.sampled_from((q_len,) + SEQ_LENS()))  # equal lengths are the common case
     causal = draw(st.booleans())
-    segments = draw(st.sampled_from(("none", "packed") + (() if causal else ("absent",))))
-    head_dim = draw(st.sampled_from(HEAD_DIMS))
-    # batch * heads <= 2 keeps interpret-mode grids small; both axes still vary.
-    batch, heads = draw(st.sampled_from(((1, 1), (2, 1), (1, 2))))
+    segments = draw(st.sampled_from(("none", "packed", "absent")))
+    head_dim = draw(st.sampled_from(HEAD_DIMS()))
+    batch, heads = draw(st.sampled_from(BATCH_HEADS()))
     seed = draw(S.seeds)
+    bias = draw(st.booleans())
     return Case(FAMILY, FlashParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
         q_len=q_len, kv_len=kv_len, head_dim=head_dim, causal=causal,
         sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), 1.0))),
-        bias=draw(st.booleans()), segments=segments,
+        bias=bias, segments=segments,
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
-        values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len))), seed)
+        values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len, batch)),
+        bias_values=draw(st.sampled_from(BIAS_VALUE_KINDS)) if bias else "normal",
+        segment_dtype=draw(st.sampled_from(SEGMENT_DTYPES)) if segments != "none" else "int32",
+        vmem_limit_bytes=draw(st.sampled_from(VMEM_LIMITS))), seed)
 
 
 class FlashSpec(KernelSpec[FlashParams]):
@@ -189,7 +214,12 @@ class FlashSpec(KernelSpec[FlashParams]):
         segments_vary_across_tiles=segments_vary_across_tiles,
         causal_wide_q=lambda p: p.causal and q_tiles_wider_than_kv_tiles(p),
         causal_bias_skipped_blocks=lambda p: p.bias and causal_skips_in_every_pass(p),
-        **{f"causal_nested_{a}": (lambda p, a=a: p.causal and a in nested_tilings(p)) for a in NESTED_TILINGS})
+        **{f"causal_nested_{a}": (lambda p, a=a: p.causal and a in nested_tilings(p)) for a in NESTED_TILINGS},
+        # The contracts of the kernel's docstring, each where it can be observed.
+        causal_absent_rows_skip_blocks=causal_absent_rows_skip_blocks,
+        bias_neg_inf=lambda p: p.bias and p.bias_values == "neg_inf",
+        bias_nonfinite_where_masked=lambda p: p.bias and p.bias_values == "nonfinite_masked" and p.causal,
+        block_b_gt_1=lambda p: p.block_sizes["block_b"] > 1)
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
 
     def cases(self):
@@ -203,16 +233,15 @@ class FlashSpec(KernelSpec[FlashParams]):
         out = {name: S.round_to(S.attention_values(rng, p.values, shape, role=name), dt)
                for name, shape in (("q", (b, h, q_len, d)), ("k", (b, h, kv_len, d)), ("v", (b, h, kv_len, d)),
                                    ("d_out", (b, h, q_len, d)))}
-        if p.bias:
-            out["ab"] = S.round_to(rng.standard_normal((b, h, q_len, kv_len)), dt)
         if p.segments != "none":
             q_ids = S.segment_ids_from_layout(p.segment_starts, q_len)
             kv_ids = S.segment_ids_from_layout(p.segment_starts, kv_len)
             if p.segments == "absent":
-                q_ids = np.where(q_ids == q_ids.max(), ABSENT_SEGMENT, q_ids).astype(np.int32)
-                out["d_out"] = np.where((q_ids == ABSENT_SEGMENT)[None, None, :, None], 0, out["d_out"]).astype(dt)
-            out["q_segment_ids"] = np.broadcast_to(q_ids, (b, q_len)).copy()
-            out["kv_segment_ids"] = np.broadcast_to(kv_ids, (b, kv_len)).copy()
+                q_ids = np.where(q_ids == q_ids.max(), ABSENT_SEGMENT, q_ids)
+            out["q_segment_ids"] = np.broadcast_to(q_ids, (b, q_len)).astype(p.segment_dtype)
+            out["kv_segment_ids"] = np.broadcast_to(kv_ids, (b, kv_len)).astype(p.segment_dtype)
+        if p.bias:
+            out["ab"] = S.round_to(_bias(rng, p, out), dt)
         return out
 
     # ------------------------------------------------------------------ running
@@ -222,7 +251,8 @@ class FlashSpec(KernelSpec[FlashParams]):
         def forward(q, k, v, ab, q_seg, kv_seg):
             segment_ids = module.SegmentIds(q=q_seg, kv=kv_seg) if q_seg is not None else None
             return impl(q, k, v, ab, segment_ids, causal=p.causal, sm_scale=p.sm_scale,
-                        block_sizes=module.BlockSizes(**p.block_sizes))
+                        block_sizes=module.BlockSizes(**p.block_sizes),
+                        **accepted_keywords(impl, vmem_limit_bytes=p.vmem_limit_bytes))
 
         return forward
 
@@ -242,30 +272,23 @@ class FlashSpec(KernelSpec[FlashParams]):
         return backends.tpu_exports(self._call(impl, case.params), primals, inputs["d_out"], *rest)
 
     # ------------------------------------------------------------------ judging
-    def _semantics(self, p: FlashParams, inputs):
-        return dict(scale=p.sm_scale, causal=p.causal,
-                    q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"))
-
     def oracle(self, case, inputs):
         p = case.params
-        sem = self._semantics(p, inputs)
+        visible, fallback = _masks(p, inputs)
         bias = None if "ab" not in inputs else np.asarray(inputs["ab"], np.float64) * p.sm_scale
+        sem = dict(scale=p.sm_scale, bias=bias, visible=visible, fallback=fallback, masked_rows="zero")
         args = (inputs["q"], inputs["k"], inputs["v"])
-        fwd = oracle.attention(*args, bias=bias, masked_rows="mean_of_v", **sem)
-        grads = oracle.attention_vjp(*args, inputs["d_out"], bias=bias, masked_rows="mean_of_v", **sem)
-        result = {"out": fwd.out, "dq": grads["dq"], "dk": grads["dk"], "dv": grads["dv"]}
+        grads = oracle.attention_vjp(*args, inputs["d_out"], **sem)
+        result = {"out": oracle.attention(*args, **sem).out, "dq": grads["dq"], "dk": grads["dk"], "dv": grads["dv"]}
         if bias is not None:
             result["dab"] = grads["dbias"] * p.sm_scale
         return result
 
     def yardstick(self, case, inputs):
-        p = case.params
-        visible = yardstick.visibility(np.arange(p.q_len), np.arange(p.kv_len), causal=p.causal,
-                                       q_segment_ids=inputs.get("q_segment_ids"),
-                                       kv_segment_ids=inputs.get("kv_segment_ids"))
+        visible, fallback = _masks(case.params, inputs)
         return yardstick.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
-                                              scale=p.sm_scale, ab=inputs.get("ab"), visible=visible,
-                                              masked_rows="mean_of_v")
+                                              scale=case.params.sm_scale, ab=inputs.get("ab"), visible=visible,
+                                              fallback=fallback, masked_rows="zero")
 
     def output_dtypes(self, case):
         dt = S.dtype_of(case.params.dtype)
@@ -296,6 +319,47 @@ class FlashSpec(KernelSpec[FlashParams]):
 
     def invalid_calls(self, impl):
         return invalid_flash_calls(impl)
+
+
+def _bias(rng: np.random.Generator, p: FlashParams, inputs) -> np.ndarray:
+    """ab in float64, with the non-finite entries its kind asks for. -inf goes only where
+    the key is of the query's own segment (a fallback key's bias is replaced, not used), so
+    a row it empties falls back on its other segments' keys or, without any, is 0."""
+    ab = rng.standard_normal((p.batch, p.heads, p.q_len, p.kv_len))
+    same, causal = _segment_equal(inputs), _causal(p)
+    if p.bias_values == "neg_inf":
+        row = rng.integers(p.q_len, size=(p.batch, p.heads))
+        emptied = np.arange(p.q_len)[None, None, :, None] == row[:, :, None, None]
+        ab = np.where(same & (emptied | (rng.random(ab.shape) < 0.1)), -np.inf, ab)
+    elif p.bias_values == "nonfinite_masked":
+        hidden = ~causal & (rng.random(ab.shape) < 0.5)
+        ab = np.where(hidden, np.where(rng.random(ab.shape) < 0.5, np.nan, np.inf), ab)
+    return ab
+
+
+def _causal(p: FlashParams) -> np.ndarray:
+    """[1, 1, Q, K] top-left causal visibility (all True when not causal)."""
+    return (np.arange(p.kv_len)[None, :] <= np.arange(p.q_len)[:, None] if p.causal
+            else np.ones((p.q_len, p.kv_len), bool))[None, None]
+
+
+def _segment_equal(inputs) -> np.ndarray:
+    """[B|1, 1, Q, K]: the key is of the query's segment (all True without segment ids)."""
+    if "q_segment_ids" not in inputs:
+        return np.ones((1, 1, 1, 1), bool)
+    return (inputs["q_segment_ids"][:, :, None] == inputs["kv_segment_ids"][:, None, :])[:, None]
+
+
+def _masks(p: FlashParams, inputs) -> tuple[np.ndarray, np.ndarray]:
+    """(visible, fallback) [B, H, Q, K] as the kernel's docstring defines them: a key is
+    visible when causally visible, of the query's segment and without a -inf bias; a row
+    with no visible key falls back on its causally visible keys of other segments."""
+    full = (p.batch, p.heads, p.q_len, p.kv_len)
+    same, causal = _segment_equal(inputs), _causal(p)
+    visible = causal & same
+    if "ab" in inputs:
+        visible = visible & (np.asarray(inputs["ab"], np.float64) != -np.inf)
+    return np.broadcast_to(visible, full), np.broadcast_to(causal & ~same, full)
 
 
 def _operands(inputs):
