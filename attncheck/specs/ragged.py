@@ -6,8 +6,9 @@ Mapped onto the ragged oracle: K/V interleaved on the combined-heads axis (K of 
 at 2h, V at 2h+1), bottom-right causal alignment, window ``q_pos - kv_pos < window``,
 soft cap after the scale. Everything the kernel must never read holds poison: NaN in
 unused pages, in page tails past kv_len and in padding query tokens; garbage in unused
-page-table slots and in the metadata of sequences past num_seqs. Output rows past
-``cu_q_lens[num_seqs]`` are don't-care.
+page-table slots and in the metadata of sequences past num_seqs. Output rows of tokens
+that belong to no sequence (at or past ``cu_q_lens[num_seqs]``) are zeros, as the kernel's
+docstring and the convention's reference promise.
 """
 
 from __future__ import annotations
@@ -23,19 +24,33 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec
+from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
 
 FAMILY = "ragged_paged_attention"
 # The convention's array arguments, passed positionally.
 ARRAY_ARGS = ("queries", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 # Static buckets: every case of a bucket reuses one compiled kernel; the ragged structure
 # (lengths, page tables, num_seqs) is data.
-MAX_TOKENS = 64
-MAX_SEQS = 4
-PAGES_PER_SEQ = 8
-TOTAL_PAGES = 40
-HEAD_DIM = 128
-PAGE_SIZES = (8, 16)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The static buffer shapes of a case: every one of them sizes a grid or an index map."""
+
+    max_tokens: int  # queries.shape[0]
+    max_seqs: int  # kv_lens.shape[0], page_indices.shape[0], cu_q_lens.shape[0] - 1
+    pages_per_seq: int  # page_indices.shape[1]
+    total_pages: int  # kv_pages.shape[0]
+    head_dim: int
+
+
+# Two layouts in CI, so that each buffer dimension takes two values with only twice the
+# compiles ("compact" has a last query block that the default block size overhangs); the
+# nightly profile adds a wide one.
+LAYOUTS = {"standard": Layout(max_tokens=64, max_seqs=4, pages_per_seq=8, total_pages=40, head_dim=128),
+           "compact": Layout(max_tokens=24, max_seqs=3, pages_per_seq=5, total_pages=48, head_dim=64),
+           "wide": Layout(max_tokens=160, max_seqs=7, pages_per_seq=11, total_pages=96, head_dim=256)}
+LAYOUT_NAMES = S.Shapes(ci=("standard", "compact"), nightly=tuple(LAYOUTS))
+HEAD_DIM = LAYOUTS["standard"].head_dim  # of the invalid calls
+PAGE_SIZES = S.Shapes(ci=(8, 16), nightly=(8, 16, 32))
 # (num_q_heads, num_kv_heads): GQA ratios 1, 2, 4, 8.
 HEAD_LAYOUTS = ((2, 2), (4, 2), (4, 1), (8, 1))
 # (query dtype, kv dtype): packed kv dtypes only with scales (they are quantized caches).
@@ -43,6 +58,9 @@ DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bf
                ("bfloat16", "int8"), ("bfloat16", "float8_e4m3fn"))
 SEQ_KINDS = ("decode", "chunked_prefill", "full_prefill", "empty")
 PADDING_KINDS = ("repeat_last", "minus_one", "garbage")
+# An explicit mask value that underflows like the default (the docstring: one that does
+# not gives no defined result).
+MASK_VALUE = -1e30
 KV_DTYPES = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
              **S.DTYPES}
 
@@ -64,21 +82,28 @@ class RaggedParams(Params):
     num_queries_per_block: int | None
     padding: str  # a PADDING_KINDS way of filling metadata past num_seqs
     values: str  # "normal" or "large"
+    layout: str = "standard"  # a LAYOUTS name
+    mask_value: float | None = None  # None: the kernel's default
+    vmem_limit_bytes: int | None = None  # None: the kernel's default
 
     @property
     def sequence_length(self) -> int:
         return max(k for _, k in self.seqs)
 
     @property
+    def shapes(self) -> Layout:
+        return LAYOUTS[self.layout]
+
+    @property
     def kv_block_pages(self) -> int:
         """Pages per kv block as the kernel picks them when the case leaves it to it."""
-        return self.num_kv_pages_per_block or max(1, min(PAGES_PER_SEQ, 128 // self.page_size))
+        return self.num_kv_pages_per_block or max(1, min(self.shapes.pages_per_seq, 128 // self.page_size))
 
     @property
     def q_block_tokens(self) -> int:
         """Query tokens per grid step as the kernel picks them when the case leaves it to
         it (at most 32, the token count rounded up to 8 sublanes)."""
-        return self.num_queries_per_block or min(32, -(-MAX_TOKENS // 8) * 8)
+        return self.num_queries_per_block or min(32, -(-self.shapes.max_tokens // 8) * 8)
 
 
 @st.composite
@@ -97,10 +122,12 @@ def sequence(draw, capacity: int, token_budget: int) -> tuple[int, int]:
 
 @st.composite
 def ragged_cases(draw) -> Case:
-    page_size = draw(st.sampled_from(PAGE_SIZES))
-    capacity = page_size * PAGES_PER_SEQ
-    num_seqs = draw(st.integers(1, MAX_SEQS))
-    seqs, budget = [], MAX_TOKENS
+    layout = draw(st.sampled_from(LAYOUT_NAMES()))
+    shapes = LAYOUTS[layout]
+    page_size = draw(st.sampled_from(PAGE_SIZES()))
+    capacity = page_size * shapes.pages_per_seq
+    num_seqs = draw(st.integers(1, shapes.max_seqs))
+    seqs, budget = [], shapes.max_tokens
     for _ in range(num_seqs):
         q_len, kv_len = draw(sequence(capacity, budget))
         budget -= q_len
@@ -118,10 +145,19 @@ def ragged_cases(draw) -> Case:
         dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
         num_q_heads=heads[0], num_kv_heads=heads[1], seqs=tuple(seqs),
         sliding_window=window, soft_cap=draw(st.sampled_from((None, 5.0))),
-        k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((HEAD_DIM**-0.5, 1.0))),
+        k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, 1.0))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
-        num_queries_per_block=draw(st.sampled_from((None, 8, 16))),
-        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large")))), seed)
+        num_queries_per_block=draw(st.sampled_from((None, 8, 16, 24))),
+        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large"))),
+        layout=layout, mask_value=draw(st.sampled_from((None, MASK_VALUE))),
+        vmem_limit_bytes=draw(st.sampled_from((None, 64 * 1024 * 1024)))), seed)
+
+
+def empty_seq_before_another(p: RaggedParams) -> bool:
+    """A sequence with no query and no key comes before one with queries: the pipeline that
+    fetches the next sequence's pages must skip it, not serve its (absent) pages."""
+    empty = [i for i, (q, k) in enumerate(p.seqs) if q == 0 and k == 0]
+    return bool(empty) and any(q for q, _ in p.seqs[empty[0] + 1:])
 
 
 def some_query_sees_several_keys(p: RaggedParams) -> bool:
@@ -176,6 +212,11 @@ def _with_several_keys(predicate):
 
 class RaggedSpec(KernelSpec[RaggedParams]):
     name = FAMILY
+    fixed_parameters = {
+        **{f"{name}.dtype": "the kernel requires int32 metadata (an invalid call pins the rejection)"
+           for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")},
+        "num_seqs.shape[0]": "num_seqs is one int32 by the convention",
+    }
     params_type = RaggedParams
     default_impls = {"builtin": "kernels.ragged_paged_attention:ragged_paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
@@ -184,9 +225,9 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         chunked_prefill=_has_seq("chunked_prefill"),
         full_prefill=_has_seq("full_prefill"),
         zero_length_seq=_has_seq("zero_length_seq"),
-        num_seqs_lt_max=lambda p: len(p.seqs) < MAX_SEQS,
+        num_seqs_lt_max=lambda p: len(p.seqs) < p.shapes.max_seqs,
         kv_len_not_page_multiple=lambda p: any(k % p.page_size for _, k in p.seqs),
-        pages_per_seq_not_block_multiple=lambda p: PAGES_PER_SEQ % p.kv_block_pages != 0,
+        pages_per_seq_not_block_multiple=lambda p: p.shapes.pages_per_seq % p.kv_block_pages != 0,
         # Every case poisons padding with NaN and shuffles its page table.
         nan_padding=lambda p: True,
         shuffled_pages=lambda p: True,
@@ -208,7 +249,14 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                                            and expected_max_rises(p, p.kv_block_pages * p.page_size) >= 3),
         # A grid step owns a block of consecutive query tokens: where two sequences share
         # one, the softmax state must restart at the sequence boundary, not the step's.
-        seqs_share_q_block=seqs_share_a_q_block)
+        seqs_share_q_block=seqs_share_a_q_block,
+        # The kernel's documented contracts, each where it can be observed.
+        rows_past_the_last_sequence=lambda p: sum(q for q, _ in p.seqs) < p.shapes.max_tokens,
+        empty_seq_before_another=empty_seq_before_another,
+        partial_last_q_block=lambda p: p.num_queries_per_block is not None
+        and p.shapes.max_tokens % p.num_queries_per_block != 0,
+        compact_layout=lambda p: p.layout == "compact",
+        explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p))
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
 
     def cases(self):
@@ -221,16 +269,18 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         seqs, page_size = p.seqs, p.page_size
         hq, hkv = p.num_q_heads, p.num_kv_heads
         num_seqs = len(seqs)
-        q_lens = np.array([q for q, _ in seqs] + [0] * (MAX_SEQS - num_seqs))
-        kv_lens = np.array([k for _, k in seqs] + [0] * (MAX_SEQS - num_seqs), dtype=np.int32)
+        shapes = p.shapes
+        q_lens = np.array([q for q, _ in seqs] + [0] * (shapes.max_seqs - num_seqs))
+        kv_lens = np.array([k for _, k in seqs] + [0] * (shapes.max_seqs - num_seqs), dtype=np.int32)
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         spread = S.LARGE_LOGIT_STD if p.values == "large" else 1.0
-        queries = rng.standard_normal((MAX_TOKENS, hq, HEAD_DIM)) * spread
+        queries = rng.standard_normal((shapes.max_tokens, hq, shapes.head_dim)) * spread
         queries[cu[num_seqs]:] = np.nan  # padding tokens
         # Pages: a shuffled, non-contiguous allocation; everything unallocated is poison.
-        order = rng.permutation(TOTAL_PAGES)
-        page_indices = rng.integers(-3, 3 * TOTAL_PAGES, size=(MAX_SEQS, PAGES_PER_SEQ)).astype(np.int32)
-        kv = np.full((TOTAL_PAGES, page_size, 2 * hkv, HEAD_DIM), _poison(kv_dt), dtype=np.float64)
+        order = rng.permutation(shapes.total_pages)
+        page_indices = rng.integers(-3, 3 * shapes.total_pages,
+                                    size=(shapes.max_seqs, shapes.pages_per_seq)).astype(np.int32)
+        kv = np.full((shapes.total_pages, page_size, 2 * hkv, shapes.head_dim), _poison(kv_dt), dtype=np.float64)
         used = 0
         for s, (_, kv_len) in enumerate(seqs):
             pages = -(-kv_len // page_size)
@@ -238,7 +288,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
             used += pages
             for page in range(pages):
                 rows = min(page_size, kv_len - page * page_size)
-                kv[order[used - pages + page], :rows] = rng.standard_normal((rows, 2 * hkv, HEAD_DIM))
+                kv[order[used - pages + page], :rows] = rng.standard_normal((rows, 2 * hkv, shapes.head_dim))
         kv[:, :, 0::2] *= spread  # K only: large logits
         if kv_dt == np.int8:
             kv = np.where(np.isnan(kv), 127, np.clip(np.round(kv * 30), -127, 127))
@@ -253,8 +303,9 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                     k_scale=p.k_scale, v_scale=p.v_scale)
 
     def _call(self, impl, p: RaggedParams):
+        knobs = accepted_keywords(impl, mask_value=p.mask_value, vmem_limit_bytes=p.vmem_limit_bytes)
         return lambda *args: impl(*args, **self._options(p), num_kv_pages_per_block=p.num_kv_pages_per_block,
-                                  num_queries_per_block=p.num_queries_per_block)
+                                  num_queries_per_block=p.num_queries_per_block, **knobs)
 
     def _args(self, inputs):
         return tuple(inputs[n] for n in ARRAY_ARGS)
@@ -270,21 +321,17 @@ class RaggedSpec(KernelSpec[RaggedParams]):
     def oracle(self, case, inputs):
         return {"out": oracle.ragged_paged_attention(*self._args(inputs), **self._options(case.params)).out}
 
-    def care(self, case, inputs):
-        valid = np.arange(MAX_TOKENS) < inputs["cu_q_lens"][len(case.params.seqs)]
-        return {"out": valid[:, None, None]}
-
     def yardstick(self, case, inputs):
         """Dense XLA attention over every sequence's gathered keys, in working precision."""
         p = case.params
-        seqs, page_size = p.seqs, p.page_size
-        capacity = page_size * PAGES_PER_SEQ
+        seqs, page_size, shapes = p.seqs, p.page_size, p.shapes
+        capacity = page_size * shapes.pages_per_seq
         q_dt = S.dtype_of(p.dtype)
-        kv = np.zeros((MAX_SEQS * capacity,) + inputs["kv_pages"].shape[2:], dtype=np.float32)
-        q_pos = np.full(MAX_TOKENS, -1)
-        kv_pos = np.full(MAX_SEQS * capacity, 1 << 30)
-        seq_of_token = np.full(MAX_TOKENS, -1)
-        seq_of_key = np.repeat(np.arange(MAX_SEQS), capacity)
+        kv = np.zeros((shapes.max_seqs * capacity,) + inputs["kv_pages"].shape[2:], dtype=np.float32)
+        q_pos = np.full(shapes.max_tokens, -1)
+        kv_pos = np.full(shapes.max_seqs * capacity, 1 << 30)
+        seq_of_token = np.full(shapes.max_tokens, -1)
+        seq_of_key = np.repeat(np.arange(shapes.max_seqs), capacity)
         cu = inputs["cu_q_lens"]
         for s, (q_len, kv_len) in enumerate(seqs):
             pages = inputs["page_indices"][s, : -(-kv_len // page_size)]
@@ -319,7 +366,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         p = case.params
         ends = tuple(int(e) for e in np.cumsum([q_len for q_len, _ in p.seqs]))
         return ErrorMapLayout(self.index_names(direction), 0, 1,
-                              (every("q block", p.q_block_tokens, MAX_TOKENS), ("sequence end", ends)),
+                              (every("q block", p.q_block_tokens, p.shapes.max_tokens), ("sequence end", ends)),
                               (every("kv head", p.num_q_heads // p.num_kv_heads, p.num_q_heads),))
 
     def invalid_calls(self, impl):
@@ -332,8 +379,8 @@ def _pad_metadata(padding: str, rng, kv_lens, cu, num_seqs) -> None:
         kv_lens[num_seqs:] = -1
         cu[num_seqs + 1:] = -1
     elif padding == "garbage":
-        kv_lens[num_seqs:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
-        cu[num_seqs + 1:] = rng.integers(0, 10**6, size=MAX_SEQS - num_seqs)
+        kv_lens[num_seqs:] = rng.integers(0, 10**6, size=len(kv_lens) - num_seqs)
+        cu[num_seqs + 1:] = rng.integers(0, 10**6, size=len(kv_lens) - num_seqs)
 
 
 def _kv_compute_dtype(q_dtype, kv_dtype, scale):
