@@ -1,7 +1,12 @@
-"""Blockwise FFN family: ``blockwise_ffn(ffn, params, inputs, *, chunk_size)`` applies a
-position-wise ``ffn(params, x)`` chunk by chunk (scan + remat); it must equal the dense
-FFN ``gelu(x @ w_in + b_in) @ w_out + b_out`` (tanh gelu, jax.nn.gelu's default) for the
-output and for the gradients of x and every weight.
+"""Blockwise FFN family: ``blockwise_ffn(ffn, params, inputs, *, chunk_size, rng=None)``
+applies a position-wise ``ffn(params, x)`` chunk by chunk (scan + remat); it must equal the
+dense FFN ``gelu(x @ w_in + b_in) @ w_out + b_out`` (tanh gelu, jax.nn.gelu's default) for
+the output and for the gradients of x and every weight, for inputs of any rank and any
+number of output features. With ``rng`` the ffn is called as ``ffn(params, x, rng=...)``
+and chunk i gets ``jax.random.fold_in(rng, i)`` (the kernel's documented contract): the
+gate's stochastic ffn applies inverted dropout from that key, and the oracle is given the
+masks the contract implies. An implementation's own knobs (``remat``, ``policy``,
+``prevent_cse``) are varied where it has them.
 """
 
 from __future__ import annotations
@@ -18,41 +23,57 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec
+from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
 
 FAMILY = "blockwise_ffn"
-SEQ_LENS = (64, 96, 256)
-FEATURES = (16, 32)
-HIDDEN = (64,)
+SEQ_LENS = S.Shapes(ci=(64, 96, 256), nightly=(40, 64, 96, 256, 512))
+FEATURES = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
+FEATURES_OUT = (16, 24)
+HIDDEN = S.Shapes(ci=(64, 128), nightly=(32, 64, 128, 256))
+# The leading axes of the inputs: none, a batch, two.
+LEADS = ((), (1,), (2,), (2, 2))
 PARAM_NAMES = ("w_in", "b_in", "w_out", "b_out")
+DROPOUT_RATE = 0.25
+POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
 class FFNParams(Params):
     dtype: str
-    batch: int
+    lead: tuple[int, ...]  # leading axes of the inputs
     seq_len: int
     chunk_size: int
     features: int
+    features_out: int
     hidden: int
     biases: bool
     values: str  # "normal" or "large"
+    stochastic: bool  # an ffn with dropout from the rng the kernel hands each chunk
+    remat: bool
+    policy: str  # a POLICIES name
+    prevent_cse: bool
 
     @property
     def sequence_length(self) -> int:
         return self.seq_len
 
+    def shape(self, features: int) -> tuple[int, ...]:
+        return (*self.lead, self.seq_len, features)
+
 
 @st.composite
 def ffn_cases(draw) -> Case[FFNParams]:
-    seq = draw(st.sampled_from(SEQ_LENS))
+    seq = draw(st.sampled_from(SEQ_LENS()))
     chunk = draw(st.sampled_from([c for c in S.divisors(seq, 8) if c <= seq]))
     seed = draw(S.seeds)
-    return Case(FAMILY, FFNParams(dtype=draw(st.sampled_from(tuple(S.DTYPES))),
-                                  batch=draw(st.sampled_from((1, 2))), seq_len=seq, chunk_size=chunk,
-                                  features=draw(st.sampled_from(FEATURES)), hidden=draw(st.sampled_from(HIDDEN)),
-                                  biases=draw(st.booleans()), values=draw(st.sampled_from(("normal", "large")))),
-                seed)
+    features = draw(st.sampled_from(FEATURES()))
+    return Case(FAMILY, FFNParams(
+        dtype=draw(st.sampled_from(tuple(S.DTYPES))), lead=draw(st.sampled_from(LEADS)), seq_len=seq,
+        chunk_size=chunk, features=features, features_out=draw(st.sampled_from((features,) + FEATURES_OUT)),
+        hidden=draw(st.sampled_from(HIDDEN())), biases=draw(st.booleans()),
+        values=draw(st.sampled_from(("normal", "large"))), stochastic=draw(st.booleans()),
+        remat=draw(st.booleans()), policy=draw(st.sampled_from(tuple(POLICIES))), prevent_cse=draw(st.booleans())),
+        seed)
 
 
 def _dense_ffn(params, x):
@@ -78,7 +99,16 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         bf16=lambda p: p.dtype == "bfloat16",
         large_values=lambda p: p.values == "large",
         no_bias=lambda p: not p.biases,
-        biases=lambda p: p.biases)
+        biases=lambda p: p.biases,
+        # A chunk's dropout key must be its own: only several chunks show which one it got.
+        stochastic_chunks=lambda p: p.stochastic and p.chunk_size < p.seq_len,
+        features_out_ne_features=lambda p: p.features_out != p.features,
+        no_leading_axes=lambda p: not p.lead,
+        two_leading_axes=lambda p: len(p.lead) > 1,
+        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len)
+    fixed_parameters = {"ffn": "the convention passes the position-wise FFN of the implementation's own module "
+                               "(a dropout wrapper of it with rng)",
+                        "rng.dtype": "the key type of jax.random.key, the convention's rng"}
     examples = {"xla": 64}
 
     def cases(self):
@@ -88,41 +118,56 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         p = case.params
         rng = np.random.default_rng(case.seed)
         dt = S.dtype_of(p.dtype)
-        b, s, f, h = p.batch, p.seq_len, p.features, p.hidden
+        f, f_out, h = p.features, p.features_out, p.hidden
         spread = 4.0 if p.values == "large" else 1.0
-        out = {"x": S.round_to(rng.standard_normal((b, s, f)) * spread, dt),
+        out = {"x": S.round_to(rng.standard_normal(p.shape(f)) * spread, dt),
                "w_in": S.round_to(rng.standard_normal((f, h)) / np.sqrt(f), dt),
-               "w_out": S.round_to(rng.standard_normal((h, f)) / np.sqrt(h), dt),
-               "d_out": S.round_to(rng.standard_normal((b, s, f)), dt)}
+               "w_out": S.round_to(rng.standard_normal((h, f_out)) / np.sqrt(h), dt),
+               "d_out": S.round_to(rng.standard_normal(p.shape(f_out)), dt)}
         if p.biases:
             out["b_in"] = S.round_to(rng.standard_normal(h), dt)
-            out["b_out"] = S.round_to(rng.standard_normal(f), dt)
+            out["b_out"] = S.round_to(rng.standard_normal(f_out), dt)
+        if p.stochastic:
+            out["dropout"] = _dropout_multiplier(p, case.seed)
         return out
 
     def run(self, impl, case, inputs):
+        p = case.params
         position_wise, pack = _convention(impl)
+        ffn = _with_dropout(position_wise) if p.stochastic else position_wise
+        knobs = accepted_keywords(impl, remat=p.remat, policy=POLICIES[p.policy], prevent_cse=p.prevent_cse)
 
-        def call(params, x):
-            return impl(position_wise, pack(*params), x, chunk_size=case.params.chunk_size)
+        def call(params, x, seed):
+            rng = {"rng": jax.random.key(seed)} if p.stochastic else {}
+            return impl(ffn, pack(*params), x, chunk_size=p.chunk_size, **rng, **knobs)
 
-        return _grads(call, (impl_key(impl), dataclasses.replace(case.params, values="")), inputs)
+        return _grads(call, (impl_key(impl), dataclasses.replace(p, values="")), inputs, np.uint32(case.seed))
+
+    def _judged(self, inputs):
+        """x, the weights, and the cotangent the dense FFN gets: with dropout, the output is
+        the dense FFN times the multiplier, so its cotangent is d_out times it."""
+        multiplier = inputs.get("dropout", 1.0)
+        return [inputs["x"]] + [inputs.get(n) for n in PARAM_NAMES], multiplier
 
     def oracle(self, case, inputs):
-        args = [inputs["x"]] + [inputs.get(n) for n in PARAM_NAMES]
-        result = {"out": oracle.feed_forward(*args)}
-        result.update(oracle.feed_forward_vjp(*args, inputs["d_out"]))
+        args, multiplier = self._judged(inputs)
+        result = {"out": oracle.feed_forward(*args) * multiplier}
+        result.update(oracle.feed_forward_vjp(*args, np.asarray(inputs["d_out"], np.float64) * multiplier))
         return result
 
     def yardstick(self, case, inputs):
         # Chunking is the kernel's business: one compiled dense FFN serves every chunk size.
-        return _grads(_dense_ffn, "yardstick", inputs)
+        dense = _with_dropout_multiplier(_dense_ffn) if case.params.stochastic else _dense_ffn
+        extra = (inputs["dropout"].astype(np.float32),) if case.params.stochastic else ()
+        return _grads(dense, ("yardstick", case.params.stochastic), inputs, *extra)
 
     def output_dtypes(self, case):
         dt = S.dtype_of(case.params.dtype)
         return {d: dt for d in ("out", "dx", "dw_in", "db_in", "dw_out", "db_out")}
 
     def index_names(self, direction):
-        return {"out": ("batch", "position", "feature"), "dx": ("batch", "position", "feature"),
+        # Of the trailing axes: the inputs' leading axes vary in number.
+        return {"out": ("position", "feature"), "dx": ("position", "feature"),
                 "dw_in": ("feature", "hidden"), "dw_out": ("hidden", "feature"), "db_in": ("hidden",),
                 "db_out": ("feature",)}.get(direction)
 
@@ -131,11 +176,42 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         # chunk, so they have no block structure of their own (the default layout).
         if direction in ("out", "dx"):
             p = case.params
-            return ErrorMapLayout(self.index_names(direction), 1, 2, (every("chunk", p.chunk_size, p.seq_len),))
+            names = tuple(f"axis{i}" for i in range(len(p.lead))) + self.index_names(direction)
+            return ErrorMapLayout(names, len(names) - 2, len(names) - 1, (every("chunk", p.chunk_size, p.seq_len),))
         return super().error_map_layout(case, direction)
 
     def invalid_calls(self, impl):
         return invalid_ffn_calls(impl)
+
+
+def _with_dropout(position_wise):
+    """The stochastic ffn of the convention: inverted dropout of the position-wise FFN's
+    output, from the key the kernel passes (each chunk its own)."""
+    def stochastic(params, x, rng):
+        y = position_wise(params, x)
+        keep = jax.random.bernoulli(rng, 1.0 - DROPOUT_RATE, y.shape)
+        return jnp.where(keep, y / (1.0 - DROPOUT_RATE), 0).astype(y.dtype)
+
+    return stochastic
+
+
+def _dropout_multiplier(p: FFNParams, seed: int) -> np.ndarray:
+    """keep / (1 - rate) over the whole output, as the contract makes it: chunk i's mask
+    drawn from fold_in(key(seed), i) in the shape of that chunk's output."""
+    key = jax.random.key(np.uint32(seed))
+    chunk_shape = (*p.lead, p.chunk_size, p.features_out)
+    keeps = [np.asarray(jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - DROPOUT_RATE, chunk_shape))
+             for i in range(p.seq_len // p.chunk_size)]
+    return np.concatenate(keeps, axis=-2) / (1.0 - DROPOUT_RATE)
+
+
+def _with_dropout_multiplier(dense):
+    """The yardstick's dense FFN times the dropout multiplier, in the working precision."""
+    def stochastic(params, x, multiplier):
+        y = dense(params, x)
+        return (y.astype(jnp.float32) * multiplier).astype(y.dtype)
+
+    return stochastic
 
 
 def _convention(impl):
@@ -147,17 +223,19 @@ def _convention(impl):
     return _dense_ffn, lambda *params: tuple(params)
 
 
-def _grads(call, key, inputs):
+def _grads(call, key, inputs, *rest):
     """Output and gradients of x and every given weight: one compiled function per ``key``
-    and set of given weights (jit itself keys its executables by shape and dtype)."""
+    and set of given weights (jit itself keys its executables by shape and dtype); ``rest``
+    goes to ``call`` after params and x, undifferentiated."""
     names = [n for n in PARAM_NAMES if n in inputs]
 
-    def forward(x, *weights):
+    def forward(x, *weights_and_rest):
+        weights, extra = weights_and_rest[:len(names)], weights_and_rest[len(names):]
         given = dict(zip(names, weights))
-        return call(tuple(given.get(n) for n in PARAM_NAMES), x)
+        return call(tuple(given.get(n) for n in PARAM_NAMES), x, *extra)
 
     fn = compiled(("ffn", key, tuple(names)), lambda: with_vjp(forward))
-    out, grads = fn([inputs["x"], *(inputs[n] for n in names)], inputs["d_out"])
+    out, grads = fn([inputs["x"], *(inputs[n] for n in names)], inputs["d_out"], *rest)
     result = {"out": np.asarray(out), "dx": np.asarray(grads[0])}
     result.update({"d" + n: np.asarray(g) for n, g in zip(names, grads[1:])})
     return result
