@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import sys
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
+from jax.sharding import Mesh
 
 from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
@@ -31,12 +34,21 @@ from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
 
 DEVICE_COUNTS = (1, 2, 4, 8)
+NUM_LANES = 128  # the ring flash kernel's blocks are lane tiles
 ABSENT_SEGMENT = 1000
-BIAS_KINDS = ("none", "full", "key_padding")
+# "full": [1, H, S, S]; "key_padding": [1, 1, 1, S] soft padding of some keys; "batch_keys":
+# [B, 1, 1, S], another padding per batch element; "neg_inf_rows": full, with some query
+# rows all -inf (they see no key: 0, no gradient).
+BIAS_KINDS = ("none", "full", "key_padding", "batch_keys", "neg_inf_rows")
 SEGMENT_KINDS = ("none", "packed", "absent")
 # Bias of the padded keys in "key_padding": soft, so no row becomes fully masked by it.
 KEY_PADDING_BIAS = -30.0
-DROPOUT_RATE = 0.25
+DROPOUT_RATES = (0.0, 0.25, 0.5)
+EXPLICIT_SM_SCALE = 0.3
+# How the devices are named: by count (the kernel's own mesh and axis name), by count with
+# an axis name, or by a mesh of our own.
+PLACEMENTS = ("count", "named_axis", "mesh")
+AXIS_NAME = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +65,13 @@ class RingParams(Params):
     segment_starts: tuple[int, ...]
     float32_logits: bool
     values: str  # an S.VALUE_KINDS distribution
+    batch: int = 1
+    sm_scale: float | None = None  # None: the kernel's default 1/sqrt(head_dim)
+    placement: str = "count"  # a PLACEMENTS way of naming the devices
+    check_vma: bool = True
+    single_segment_ids: bool = False  # one array for q and kv instead of a (q, kv) pair
+    segment_dtype: str = "int32"
+    highest_precision: bool = False  # precision=HIGHEST where the variant takes one
 
     @property
     def device_count(self) -> int:
@@ -62,35 +81,77 @@ class RingParams(Params):
     def sequence_length(self) -> int:
         return self.seq_len
 
+    @property
+    def scale(self) -> float:
+        return self.sm_scale or self.head_dim ** -0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedRingParams(RingParams):
     """The blockwise ring's chunking and dropout on top."""
 
-    query_chunk_size: int
-    key_chunk_size: int
-    dropout_rate: float
+    query_chunk_size: int = 0
+    key_chunk_size: int = 0
+    dropout_rate: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashRingParams(RingParams):
+    """The ring flash kernel's block sizes per ring step (empty: its defaults)."""
+
+    flash_blocks: tuple[tuple[str, int], ...] = ()
+    vmem_limit_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedRingParams(RingParams):
+    """The standard ring's boolean mask: from the rules (causal, segments) or random, with
+    some rows all False, per batch element and head."""
+
+    random_mask: bool = False
 
 
 @st.composite
-def ring_cases(draw, family: str, per_device_lens: tuple[int, ...], head_dim: int, chunked: bool,
-               max_tokens: int) -> Case[RingParams]:
+def flash_block_sizes(draw, per_device: int, batch: int) -> tuple[tuple[str, int], ...]:
+    """The flash kernel's block sizes for one ring step's (q block, kv block) of per_device
+    tokens each; the backward's major blocks mirror the forward's."""
+    k_major = draw(st.sampled_from(S.divisors(per_device, NUM_LANES)))
+    return (("block_q", draw(st.sampled_from(S.divisors(per_device, NUM_LANES)))), ("block_k_major", k_major),
+            ("block_k", draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))),
+            ("block_b", draw(st.sampled_from(S.divisors(batch, 1)))),
+            ("block_k_dkv", draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))),
+            ("block_k_dq", draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))))
+
+
+@st.composite
+def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes,
+               params_type: type[RingParams], max_tokens: int) -> Case[RingParams]:
     devices = draw(st.sampled_from(DEVICE_COUNTS))
-    per_device = draw(st.sampled_from([n for n in per_device_lens if n * devices <= max_tokens]
-                                      or [min(per_device_lens)]))
+    per_device = draw(st.sampled_from([n for n in per_device_lens() if n * devices <= max_tokens]
+                                      or [min(per_device_lens())]))
     seq = per_device * devices
     segments = draw(st.sampled_from(SEGMENT_KINDS))
     params = dict(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), devices=devices, seq_len=seq, per_device=per_device,
-        heads=draw(st.sampled_from((1, 2))), head_dim=head_dim, causal=draw(st.booleans()),
+        heads=draw(st.sampled_from((1, 2))), head_dim=draw(st.sampled_from(head_dims())), causal=draw(st.booleans()),
         bias=draw(st.sampled_from(BIAS_KINDS)), segments=segments,
         segment_starts=draw(S.segment_layout(seq)) if segments != "none" else (),
-        float32_logits=draw(st.booleans()), values=draw(st.sampled_from(S.VALUE_KINDS)))
-    if chunked:
+        float32_logits=draw(st.booleans()), values=draw(st.sampled_from(S.VALUE_KINDS)),
+        batch=draw(st.sampled_from((1, 2))), sm_scale=draw(st.sampled_from((None, EXPLICIT_SM_SCALE))),
+        placement=draw(st.sampled_from(PLACEMENTS)), check_vma=draw(st.booleans()),
+        single_segment_ids=segments == "packed" and draw(st.booleans()),
+        segment_dtype=draw(st.sampled_from(("int32", "int16"))) if segments != "none" else "int32",
+        highest_precision=draw(st.booleans()))
+    if params_type is ChunkedRingParams:
         params["query_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
         params["key_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
-        params["dropout_rate"] = draw(st.sampled_from((0.0, DROPOUT_RATE)))
-    return Case(family, (ChunkedRingParams if chunked else RingParams)(**params), draw(S.seeds))
+        params["dropout_rate"] = draw(st.sampled_from(DROPOUT_RATES))
+    elif params_type is FlashRingParams:
+        params["flash_blocks"] = draw(st.one_of(st.just(()), flash_block_sizes(per_device, params["batch"])))
+        params["vmem_limit_bytes"] = draw(st.sampled_from((None, 64 * 1024 * 1024)))
+    elif params_type is MaskedRingParams:
+        params["random_mask"] = draw(st.booleans())
+    return Case(family, params_type(**params), draw(S.seeds))
 
 
 # Classes of every ring variant, in search order.
@@ -108,7 +169,25 @@ RING_CLASSES = coverage.bug_classes(
     bias=lambda p: p.bias != "none",
     bf16=lambda p: p.dtype == "bfloat16",
     large_logits=lambda p: p.values == "large",
-    exact_ties=lambda p: p.values == "ties")
+    exact_ties=lambda p: p.values == "ties",
+    # The documented contract: a row whose keys all have a -inf bias sees nothing (0, no
+    # gradient), on whichever device its keys live.
+    bias_neg_inf_rows=lambda p: p.bias == "neg_inf_rows",
+    batch_gt_1=lambda p: p.batch > 1 and p.devices > 1,
+    bias_per_batch_element=lambda p: p.bias == "batch_keys" and p.batch > 1,
+    devices_from_a_mesh=lambda p: p.placement == "mesh" and p.devices > 1)
+
+
+def _minor_kv_blocks(p: FlashRingParams) -> tuple[str, str] | None:
+    """How the forward and the dq pass walk a kv major block: in "several" minor blocks, in
+    "one wide" (wider than a lane tile), or in "one" lane tile; None: the kernel's defaults."""
+    if not p.flash_blocks:
+        return None
+    blocks = dict(p.flash_blocks)
+
+    def walk(minor: int) -> str:
+        return "several" if minor < blocks["block_k_major"] else "one wide" if minor > NUM_LANES else "one"
+    return walk(blocks["block_k"]), walk(blocks["block_k_dq"])
 
 
 class RingSpec(KernelSpec[RingParams]):
@@ -116,37 +195,44 @@ class RingSpec(KernelSpec[RingParams]):
 
     params_type = RingParams
     bug_classes = RING_CLASSES
-    head_dim = 32
-    per_device_lens = (16, 32)
+    head_dims = S.Shapes(ci=(32, 64), nightly=(16, 32, 64, 128))
+    per_device_lens = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
     max_tokens = 256
-    chunked = False
+    fixed_parameters = {"dropout_rng.dtype": "the key type of jax.random.key, the convention's rng"}
 
     def cases(self):
-        return ring_cases(self.name, self.per_device_lens, self.head_dim, self.chunked, self.max_tokens)
+        return ring_cases(self.name, self.per_device_lens, self.head_dims, self.params_type, self.max_tokens)
 
     def inputs(self, case):
         p = case.params
         rng = np.random.default_rng(case.seed)
         dt = S.dtype_of(p.dtype)
-        b, s, h, d = 1, p.seq_len, p.heads, p.head_dim
+        b, s, h, d = p.batch, p.seq_len, p.heads, p.head_dim
         # Values are drawn head-major ([B, H, S, D], as the helpers tie keys along S) and
         # handed to the kernel as [B, S, H, D].
         out = {name: S.round_to(S.attention_values(rng, p.values, (b, h, s, d), role=name), dt)
                .transpose(0, 2, 1, 3) for name in ("q", "k", "v", "d_out")}
-        if p.bias == "full":
-            out["bias"] = S.round_to(rng.standard_normal((b, h, s, s)), dt)
-        elif p.bias == "key_padding":
-            padded = rng.random(s) < 0.25
-            out["bias"] = S.round_to(np.where(padded, KEY_PADDING_BIAS, 0.0)[None, None, None, :], dt)
+        if p.bias in ("full", "neg_inf_rows"):
+            bias = rng.standard_normal((1, h, s, s))
+            if p.bias == "neg_inf_rows":
+                bias[..., rng.random(s) < 0.2, :] = -np.inf
+            out["bias"] = S.round_to(bias, dt)
+        elif p.bias in ("key_padding", "batch_keys"):
+            padded = rng.random((b if p.bias == "batch_keys" else 1, s)) < 0.25
+            out["bias"] = S.round_to(np.where(padded, KEY_PADDING_BIAS, 0.0)[:, None, None, :], dt)
         if p.segments != "none":
             ids = S.segment_ids_from_layout(p.segment_starts, s)
             q_ids = ids.copy()
             if p.segments == "absent":
                 q_ids[ids == ids.max()] = ABSENT_SEGMENT
-            out["q_segment_ids"], out["kv_segment_ids"] = q_ids[None], ids[None]
+            out["q_segment_ids"] = np.broadcast_to(q_ids, (b, s)).astype(p.segment_dtype)
+            out["kv_segment_ids"] = np.broadcast_to(ids, (b, s)).astype(p.segment_dtype)
         return out
 
     # ------------------------------------------------------------------ running
+    # Inputs the kernel takes besides the differentiated q, k, v and bias.
+    EXTRAS = ("q_segment_ids", "kv_segment_ids")
+
     def run(self, impl, case, inputs):
         p = case.params
         names = ("q", "k", "v") + (("bias",) if "bias" in inputs else ())
@@ -156,19 +242,28 @@ class RingSpec(KernelSpec[RingParams]):
                                      segments="given" if "q_segment_ids" in inputs else "none")
         call = self.call(impl, p)
         fn = compiled(("ring", impl_key(impl), static),
-                      lambda: with_vjp(lambda *a: call(*a[:-2], segments=a[-2], seed=a[-1])))
-        segments = (inputs["q_segment_ids"], inputs["kv_segment_ids"]) if "q_segment_ids" in inputs else None
-        out, grads = fn(tuple(inputs[n] for n in names), inputs["d_out"], segments, np.uint32(case.seed))
+                      lambda: with_vjp(lambda *a: call(*a[:-2], extras=a[-2], seed=a[-1])))
+        extras = {n: inputs[n] for n in self.EXTRAS if n in inputs}
+        out, grads = fn(tuple(inputs[n] for n in names), inputs["d_out"], extras, np.uint32(case.seed))
         results = dict(zip(("out", "dq", "dk", "dv", "dbias"), (out, *grads)))
         # Back to head-major [B, H, S, D] for comparison with the oracle.
         return {k: np.asarray(v).transpose(0, 2, 1, 3) if k != "dbias" else np.asarray(v) for k, v in results.items()}
 
     def call(self, impl, p: RingParams):
+        """f(q, k, v[, bias], *, extras, seed) calling the implementation."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ judging
     def _semantics(self, p: RingParams, inputs):
-        sem = dict(scale=p.head_dim ** -0.5, causal=p.causal, bias=inputs.get("bias"),
+        # A key whose bias is -inf takes no part: a row of them sees nothing (zero).
+        explicit = [inputs[n] for n in ("attn_mask",) if n in inputs]
+        if "bias" in inputs:
+            explicit.append(np.asarray(inputs["bias"], np.float64) != -np.inf)
+        visible = None
+        for mask in explicit:
+            full = np.broadcast_to(mask, (p.batch, p.heads, p.seq_len, p.seq_len))
+            visible = full if visible is None else visible & full
+        sem = dict(scale=p.scale, causal=p.causal, bias=inputs.get("bias"), visible=visible,
                    q_segment_ids=inputs.get("q_segment_ids"), kv_segment_ids=inputs.get("kv_segment_ids"),
                    masked_rows="zero")
         if "dropout_keep" in inputs:
@@ -195,6 +290,8 @@ class RingSpec(KernelSpec[RingParams]):
         sem = self._semantics(p, inputs)
         visible = yardstick.visibility(np.arange(p.seq_len), np.arange(p.seq_len), causal=p.causal,
                                        q_segment_ids=sem["q_segment_ids"], kv_segment_ids=sem["kv_segment_ids"])
+        if sem["visible"] is not None:
+            visible = visible & sem["visible"]
         return yardstick.attention_with_grads(q, k, v, d_out, scale=sem["scale"], bias=sem["bias"],
                                               visible=visible, masked_rows="zero", seq_major=True,
                                               dropout_multiplier=sem.get("dropout_multiplier"))
@@ -277,8 +374,8 @@ class BlockwiseRingSpec(RingSpec):
 
     name = "ring_attention"
     default_impls = {"builtin": "kernels.ring_attention:ring_attention_sharded"}
+    keyword_targets = ("kernels.ring_attention:ring_attention",)
     backends = ("xla",)
-    chunked = True
     params_type = ChunkedRingParams
     examples = {"xla": 60}
     bug_classes = RING_CLASSES + coverage.bug_classes(
@@ -293,45 +390,54 @@ class BlockwiseRingSpec(RingSpec):
         p = case.params
         out = super().inputs(case)
         if p.dropout_rate:
-            keep = _dropout_mask_fn()(jax.random.key(np.uint32(case.seed)), p.dropout_rate, 1, p.heads,
+            keep = _dropout_mask_fn()(jax.random.key(np.uint32(case.seed)), p.dropout_rate, p.batch, p.heads,
                                       p.seq_len, p.seq_len)
             out["dropout_keep"] = np.asarray(keep, dtype=np.float64)
         return out
 
     def call(self, impl, p: ChunkedRingParams):
-        def f(q, k, v, bias=None, *, segments, seed=None):
-            seg = _segment_pair(segments)
+        def f(q, k, v, bias=None, *, extras, seed=None):
             dropout = (dict(dropout_rng=jax.random.key(seed), attn_pdrop=p.dropout_rate, deterministic=False)
                        if p.dropout_rate else {})
-            return impl(q, k, v, bias, seg, num_devices=p.devices, causal=p.causal,
-                        float32_logits=p.float32_logits, query_chunk_size=p.query_chunk_size,
-                        key_chunk_size=p.key_chunk_size, **dropout)
+            return impl(q, k, v, bias, _segment_ids(extras, p), causal=p.causal, float32_logits=p.float32_logits,
+                        query_chunk_size=p.query_chunk_size, key_chunk_size=p.key_chunk_size,
+                        **_placement(p), **_scale_and_precision(p), **dropout)
         return f
 
 
 class StandardRingSpec(RingSpec):
     name = "ring_attention_standard"
     default_impls = {"builtin": "kernels.ring_attention:ring_attention_standard_sharded"}
+    keyword_targets = ("kernels.ring_attention:ring_attention_standard",)
     backends = ("xla",)
+    params_type = MaskedRingParams
     examples = {"xla": 64}
-
-    # The bias is not part of this convention.
-    bug_classes = tuple(c for c in RING_CLASSES if c.name != "bias")
-
-    def call(self, impl, p: RingParams):
-        # The mask carries causal and segments.
-        def f(q, k, v, bias=None, *, segments, seed=None):
-            s = q.shape[1]
-            mask = jnp.ones((s, s), bool)
-            if p.causal:
-                mask = jnp.tril(mask)
-            if segments is not None:
-                mask = mask & (segments[0][0][:, None] == segments[1][0][None, :])
-            return impl(q, k, v, mask[None, None], num_devices=p.devices, float32_logits=p.float32_logits)
-        return f
+    EXTRAS = RingSpec.EXTRAS + ("attn_mask",)
+    fixed_parameters = {**RingSpec.fixed_parameters,
+                        "attn_mask.dtype": "the convention's mask is boolean (an invalid call pins the rejection)"}
+    # The bias is not part of this convention; a random mask with empty rows is.
+    bug_classes = tuple(c for c in RING_CLASSES if not c.name.startswith("bias")) + coverage.bug_classes(
+        mask_with_empty_rows=lambda p: p.random_mask)
 
     def cases(self):
         return super().cases().map(lambda c: Case(c.family, dataclasses.replace(c.params, bias="none"), c.seed))
+
+    def inputs(self, case):
+        p = case.params
+        out = super().inputs(case)
+        if p.random_mask:
+            rng = np.random.default_rng(case.seed + 1)
+            mask = rng.random((p.batch, p.heads, p.seq_len, p.seq_len)) < 0.7
+            mask[..., rng.random(p.seq_len) < 0.2, :] = False  # rows that see no key
+            out["attn_mask"] = mask & _rules_mask(p, out)
+        return out
+
+    def call(self, impl, p: MaskedRingParams):
+        # The mask carries causal and segments.
+        def f(q, k, v, bias=None, *, extras, seed=None):
+            mask = extras["attn_mask"] if "attn_mask" in extras else _rules_mask(p, extras, jnp)
+            return impl(q, k, v, mask, float32_logits=p.float32_logits, **_placement(p), **_scale_and_precision(p))
+        return f
 
     def invalid_calls(self, impl):
         # The rest of the builtin's validation is shared with ring_attention and tested there.
@@ -343,27 +449,87 @@ class StandardRingSpec(RingSpec):
 class RingFlashSpec(RingSpec):
     name = "ring_flash_attention"
     default_impls = {"builtin": "kernels.ring_attention:ring_flash_attention_tpu_sharded"}
+    keyword_targets = ("kernels.ring_attention:ring_flash_attention_tpu",)
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    head_dim = 128
+    params_type = FlashRingParams
     # >= 128 tokens per device (128-lane blocks); 256 makes each step multi-block.
-    per_device_lens = (128, 256)
+    head_dims = S.Shapes(ci=(128, 64), nightly=(64, 128, 256))
+    per_device_lens = S.Shapes(ci=(128, 256), nightly=(128, 256, 384, 512))
     max_tokens = 1024
     examples = {"interpret": 6, "interpret-hazards": 2, "tpu-lower": 2, "tpu": 6}
+    bug_classes = RING_CLASSES + coverage.bug_classes(
+        several_flash_blocks_per_step=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_q"] < p.per_device,
+        # Inner kv blocks, forward and dq: a kv major block walked in several minor ones, and
+        # a major block wider than a lane tile computed in one.
+        several_kv_minor_blocks=lambda p: _minor_kv_blocks(p) == ("several", "several"),
+        one_wide_kv_minor_block=lambda p: _minor_kv_blocks(p) == ("one wide", "one wide"))
 
-    def call(self, impl, p: RingParams):
-        def f(q, k, v, bias=None, *, segments, seed=None):
-            seg = _segment_pair(segments)
-            return impl(q, k, v, bias, seg, num_devices=p.devices, causal=p.causal, float32_logits=p.float32_logits)
+    def call(self, impl, p: FlashRingParams):
+        blocks = {"block_sizes": _block_sizes_type(impl)(**dict(p.flash_blocks))} if p.flash_blocks else {}
+        vmem = {"vmem_limit_bytes": p.vmem_limit_bytes} if p.vmem_limit_bytes else {}
+
+        def f(q, k, v, bias=None, *, extras, seed=None):
+            return impl(q, k, v, bias, _segment_ids(extras, p), causal=p.causal, float32_logits=p.float32_logits,
+                        **_placement(p), **_scale_and_precision(p, precision=False), **blocks, **vmem)
         return f
 
     def lower(self, impl, case):
         inputs = self.inputs(case)
         call = self.call(impl, case.params)
-        segments = (inputs["q_segment_ids"], inputs["kv_segment_ids"]) if "q_segment_ids" in inputs else None
+        extras = {n: inputs[n] for n in self.EXTRAS if n in inputs}
         primals = [inputs[n] for n in ("q", "k", "v", "bias") if n in inputs]
         # The kernel runs its own shard_map over the CPU devices: no abstract TPU mesh around it.
-        return backends.tpu_exports(lambda *p: call(*p, segments=segments), primals, inputs["d_out"],
+        return backends.tpu_exports(lambda *p: call(*p, extras=extras), primals, inputs["d_out"],
                                     device_kind=None)
+
+
+def _placement(p: RingParams) -> dict:
+    """How the call names its devices: by count, by count and axis name, or by a mesh."""
+    if p.placement == "mesh":
+        return dict(mesh=Mesh(np.array(jax.devices()[:p.devices]), (AXIS_NAME,)), axis_name=AXIS_NAME,
+                    check_vma=p.check_vma)
+    named = {"axis_name": AXIS_NAME} if p.placement == "named_axis" else {}
+    return dict(num_devices=p.devices, check_vma=p.check_vma, **named)
+
+
+def _scale_and_precision(p: RingParams, precision: bool = True) -> dict:
+    """sm_scale when the case gives one (else the kernel's default), and precision=HIGHEST
+    where the variant takes a precision."""
+    options = {} if p.sm_scale is None else {"sm_scale": p.sm_scale}
+    if precision and p.highest_precision:
+        options["precision"] = jax.lax.Precision.HIGHEST
+    return options
+
+
+def _segment_ids(extras, p: RingParams):
+    """The convention's segment ids: a (q, kv) pair, or one array when both are the same."""
+    if "q_segment_ids" not in extras:
+        return None
+    if p.single_segment_ids:
+        return extras["kv_segment_ids"]
+    return SegmentPair(extras["q_segment_ids"], extras["kv_segment_ids"])
+
+
+def _rules_mask(p: RingParams, inputs, xp=np):
+    """[B|1, 1, S, S] bool: causal and segment equality, as the standard ring's mask."""
+    mask = xp.ones((p.seq_len, p.seq_len), bool)
+    if p.causal:
+        mask = xp.tril(mask)
+    mask = mask[None, None]
+    if "q_segment_ids" in inputs:
+        mask = mask & (inputs["q_segment_ids"][:, None, :, None] == inputs["kv_segment_ids"][:, None, None, :])
+    return mask
+
+
+def _block_sizes_type(impl):
+    """The flash kernel's BlockSizes the ring flash convention takes: the implementation's
+    module's own, or that of the flash module it is built on."""
+    module = sys.modules[impl.__module__]
+    found = getattr(module, "BlockSizes", None) or next(
+        (m.BlockSizes for m in vars(module).values() if inspect.ismodule(m) and hasattr(m, "BlockSizes")), None)
+    if found is None:
+        raise TypeError(f"{impl.__module__} exposes no flash BlockSizes for the ring flash kernel's block_sizes")
+    return found
 
 
 def _dropout_mask_fn():
@@ -377,10 +543,6 @@ class SegmentPair(NamedTuple):
 
     q: jax.Array
     kv: jax.Array
-
-
-def _segment_pair(segments):
-    return None if segments is None else SegmentPair(*segments)
 
 
 SPECS = [BlockwiseRingSpec(), StandardRingSpec(), RingFlashSpec()]
