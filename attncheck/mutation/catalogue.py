@@ -545,6 +545,37 @@ DPA_MUTANTS = [
            description="rows past a query length are not zeroed", bug_class="mask_wrong"),
 ]
 
+# Promises of the kernels' docstrings (each seen only by the contract classes that draw
+# them) and parameters that once never varied (block_b).
+CONTRACT_MUTANTS = [
+    Mutant("fa-no-mask-floor", "flash_attention", FLASH,
+           find="        m_next = jnp.maximum(jnp.maximum(m_prev, m_curr), mask_value)  # [bq, 128]\n",
+           replace="        m_next = jnp.maximum(m_prev, m_curr)  # [bq, 128]\n",
+           description="running max not floored: a row whose visible ab entries are all -inf gives NaN, not 0",
+           bug_class="neg_inf_bias_nan"),
+    Mutant("fa-causal-additive-fallback", "flash_attention", FLASH,
+           find="        s = jnp.where(visible, s, mask_value)\n    return s, visible\n",
+           replace="        s = jnp.where(visible, s, mask_value)\n        visible = None\n    return s, visible\n",
+           description="causally hidden keys masked additively: a row of an absent segment averages the "
+                       "hidden keys of the blocks it visits too (the seeds' block-size-dependent answer)",
+           bug_class="fully_masked_row_block_dependent"),
+    Mutant("fa-block-b-first-query", "flash_attention", FLASH,
+           find="            q_ref[b, 0], k_ref[b, 0, ks, :],\n",
+           replace="            q_ref[0, 0], k_ref[b, 0, ks, :],\n",
+           description="a forward tile over several batch elements reads the first element's queries for all",
+           bug_class="batch_tile_index"),
+    Mutant("rpa-padding-rows-stale", "ragged_paged_attention", RAGGED,
+           find="  o_ref[...] = jnp.zeros_like(o_ref)\n",
+           replace="",
+           description="output rows owned by no sequence keep stale memory instead of the promised zeros",
+           bug_class="padding_rows_not_zero"),
+    Mutant("ffn-same-rng-every-chunk", "blockwise_ffn", FFN,
+           find="        return ffn(params, x, rng=jax.random.fold_in(rng, index))\n",
+           replace="        return ffn(params, x, rng=rng)\n",
+           description="every chunk gets the same dropout key instead of fold_in(rng, chunk index)",
+           bug_class="rng_not_per_chunk"),
+]
+
 CATALOGUE: list[Mutant] = [
     *FLASH_MASKING, *FLASH_SCALE, *FLASH_SOFTMAX, *FLASH_BLOCKS, *FLASH_STATE,
     *RAGGED_MASKING, *RAGGED_VALUES, *RAGGED_SOFTMAX, *RAGGED_DMA,
@@ -553,4 +584,5 @@ CATALOGUE: list[Mutant] = [
     *SPLASH_MUTANTS,
     *PAGED_MUTANTS,
     *DPA_MUTANTS,
+    *CONTRACT_MUTANTS,
 ]
