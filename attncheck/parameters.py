@@ -30,6 +30,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from attncheck.compiled import impl_origin
+
 DEFAULT = "<default>"
 TRACED = "<traced>"
 ARRAY = "<array>"
@@ -154,9 +156,11 @@ def probe(impl: Callable, keyword_targets: Iterable[Callable] = ()) -> Callable:
 
         return call
 
-    # A distinct identity: the spec's compiled-callable cache must never serve the probe
-    # for the implementation, nor the implementation for the probe.
-    probed.__qualname__ = f"{getattr(impl, '__qualname__', 'impl')}<probe>"
+    # The implementation's module (where its convention's helper types live), under a
+    # distinct name: the spec's compiled-callable cache must never serve the probe for the
+    # implementation, nor the implementation for the probe.
+    module, name = impl_origin(impl)
+    probed.__module__, probed.__qualname__ = module, f"{name or 'impl'}<probe>"
     return probed
 
 

@@ -14,7 +14,7 @@ from attncheck import accepted, coverage, parameters
 from attncheck.mutation import runner
 from attncheck.report import records as rec
 from attncheck.report.model import (FAIL, INCOMPLETE, Report, ShardInfo, SkippedBackend, build, describe_tests,
-                                    parameter_table, summarize, unverified_targets)
+                                    parameter_table, summarize, unprobed, unverified_targets)
 
 MUTATION_FILE = "mutation.json"
 
@@ -83,6 +83,9 @@ def _judge_whole_run(records: list[rec.Record], applicable: Mapping[str, tuple[s
                  for kernel, names in coverage.missing(counts, applicable).items()]
         holes += [f"parameter coverage: {kernel} never varied {', '.join(names)}"
                   for kernel, names in parameters.unvaried(parameter_table(records), fixed_parameters).items()]
+        holes += [f"parameter coverage: {kernel}: the call of {n} case(s) could not be probed "
+                  "(attncheck.parameters), so their parameters are unknown"
+                  for kernel, n in unprobed(records).items()]
     regressions = None
     if accepted_path:
         regressions = accepted.regressions(summarize(records), accepted.read(pathlib.Path(accepted_path)),

@@ -216,6 +216,21 @@ def parameter_table(records: list[Record]) -> dict[str, dict[str, parameters.Par
     return parameters.table((kernel, found) for (kernel, _), found in seen.items())
 
 
+def unprobed(records: list[Record]) -> dict[str, int]:
+    """family -> cases that ran but whose call could not be probed: their parameters are
+    unknown, so the parameter table cannot vouch for them."""
+    ran, probed = set(), set()
+    for r in records:
+        if r.passed:
+            ran.add((r.kernel, r.case_id))
+        if r.parameters is not None:
+            probed.add((r.kernel, r.case_id))
+    counts: dict[str, int] = defaultdict(int)
+    for kernel, _ in ran - probed:
+        counts[kernel] += 1
+    return dict(sorted(counts.items()))
+
+
 def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float | None, problems: list[str],
           unverified: list[str], skipped_backends: list[SkippedBackend],
           applicable: Mapping[str, tuple[str, ...]], regressions: list[str] | None = None,

@@ -4,6 +4,8 @@ parameter varied in a run (or is declared fixed, with the reason)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 from typing import NamedTuple
 
 import jax
@@ -11,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attncheck import parameters
-from tests.selftest import toy_spec
+from attncheck import compiled, parameters
+from attncheck.report import merge
+from attncheck.report import records as rec
+from tests.selftest import test_report, toy_spec
 
 pytest_plugins = ("pytester",)
 
@@ -99,6 +103,33 @@ def test_a_parameter_that_kept_one_value_is_unvaried_unless_declared_fixed():
     assert parameters.unvaried(counts, {"f": {"*.shape[0]": "batch fixed"}}) == {"f": ["b (always x)"]}
     assert parameters.fixed_reason("q.shape[0]", {"q.shape[*]": "batch fixed"}) == "batch fixed"
     assert parameters.fixed_reason("q.shape[1]", {"q.shape[0]": "only axis 0"}) is None  # brackets are literal
+
+
+def test_the_probe_lives_in_the_implementations_module_under_its_own_name():
+    # Specs find a convention's helper types (BlockSizes, mask_lib) in the implementation's
+    # module, also for a functools.partial such as jax's make_splash_mha.
+    made = functools.partial(kernel, causal=True)
+    globals()["made_kernel"] = made
+    try:
+        probed = parameters.probe(made)
+        assert compiled.impl_module(probed) is sys.modules[__name__]
+        assert compiled.impl_key(probed) != compiled.impl_key(made)
+    finally:
+        del globals()["made_kernel"]
+
+
+def test_cases_whose_call_could_not_be_probed_are_a_coverage_problem(tmp_path):
+    writer = rec.RecordWriter(tmp_path, test_report.RUN_ID, "main")
+    for case, surface in (("c0", {"a": "1"}), ("c1", {"a": "2"}), ("c2", None)):
+        writer.write(dataclasses.replace(test_report.record(case), parameters=surface))
+
+    def problems(require_coverage):
+        return merge.merge(tmp_path, test_report.RUN_ID, merge.RunOutcome(complete=True),
+                           applicable={"toy_attention": ()}, require_coverage=require_coverage).problems
+
+    assert problems(True) == ["parameter coverage: toy_attention: the call of 1 case(s) could not be probed "
+                              "(attncheck.parameters), so their parameters are unknown"]
+    assert problems(False) == []
 
 
 def test_a_keyword_the_spec_never_passes_fails_the_gate(pytester, monkeypatch):
