@@ -22,6 +22,7 @@ unless the spec declares it fixed, with the reason (``KernelSpec.fixed_parameter
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import math
@@ -53,6 +54,8 @@ def _is_array(value) -> bool:
 
 
 def _scalar(value) -> str:
+    if isinstance(value, enum.Enum):  # its repr would read as a presence marker, <...>
+        return f"{type(value).__name__}.{value.name}"
     if isinstance(value, float):
         return repr(value) if math.isfinite(value) else str(value)
     return repr(value)
@@ -150,10 +153,13 @@ def probe(impl: Callable, keyword_targets: Iterable[Callable] = ()) -> Callable:
         if _has_array(args, kwargs):
             raise Probed(recorded)
         built = impl(*args, **kwargs)  # a factory: its product is what computes
+        probed.factory_surface = recorded
 
         def call(*call_args, **call_kwargs):
             raise Probed({**recorded, **surface(built, call_args, call_kwargs, prefix=f"{CALL}.")})
 
+        # A spec may use the product other than by calling it (splash's kernel handed to
+        # shard_map with its sharding spec) and fail there: record() still has the factory's.
         return call
 
     # The implementation's module (where its convention's helper types live), under a
@@ -166,15 +172,17 @@ def probe(impl: Callable, keyword_targets: Iterable[Callable] = ()) -> Callable:
 
 def record(run: Callable[[Callable], Any], impl: Callable, keyword_targets: Iterable[Callable] = ()
            ) -> dict[str, str] | None:
-    """The parameters ``run(impl)`` passes to ``impl``; None when the run never reaches it
-    (its error, if any, shows when the case really runs)."""
+    """The parameters ``run(impl)`` passes to ``impl`` (a factory's alone, when its product
+    is not called through the probe); None when the run never reaches it (its error, if
+    any, shows when the case really runs)."""
+    stand_in = probe(impl, keyword_targets)
     try:
-        run(probe(impl, keyword_targets))
+        run(stand_in)
     except Probed as found:
         return found.surface
     except Exception:  # noqa: BLE001 - the case itself will say what is wrong
-        return None
-    return None
+        pass
+    return getattr(stand_in, "factory_surface", None)
 
 
 # ------------------------------------------------------------------ the table

@@ -4,6 +4,7 @@ parameter varied in a run (or is declared fixed, with the reason)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import sys
 from typing import NamedTuple
@@ -93,6 +94,19 @@ def test_a_factory_runs_and_its_product_is_probed():
     found = parameters.record(lambda fn: fn("causal", block=64)(np.zeros((2, 8))), make)
     assert found == {"mask_name": "'causal'", "block": "64", "call.q": "<array>", "call.q.dtype": "float64",
                      "call.q.shape[0]": "2", "call.q.shape[1]": "8", "call.cap": "None"}
+
+
+class Layout(enum.IntEnum):
+    HEAD_DIM_MINOR = 1
+    SEQ_MINOR = 2
+
+
+def test_an_enum_value_is_a_value_not_a_presence_marker():
+    found = parameters.record(lambda fn: fn(np.zeros(2), layout=Layout.SEQ_MINOR),
+                              lambda x, *, layout=Layout.HEAD_DIM_MINOR: x)
+    assert found["layout"] == "Layout.SEQ_MINOR"
+    counts = parameters.table([("f", found), ("f", found)])
+    assert "layout (always Layout.SEQ_MINOR)" in parameters.unvaried(counts, {})["f"]
 
 
 def test_a_parameter_that_kept_one_value_is_unvaried_unless_declared_fixed():
