@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, coverage, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
@@ -67,6 +67,9 @@ CHUNK_SIZES = (64, 96)
 # first (a shrunk grid), full and partial tiles, and a partial tile used twice (the kernel
 # deduplicates partial blocks: mask_next must pick the right one).
 NUMPY_TILE = 128
+LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
+# An explicit mask value: masked logits still underflow (a fully masked row is don't-care).
+MASK_VALUE = -1e30
 NUMPY_LAYOUTS = (((2, 0, 3), (0, 1, 2)),
                  ((1, 2, 0), (3, 0, 2)))
 NUMPY_SEEDS = tuple(range(len(NUMPY_LAYOUTS)))
@@ -182,6 +185,11 @@ class SplashParams(Params):
     head_shards: int
     q_seq_shards: int
     values: str  # an S.VALUE_KINDS distribution
+    downcast_smem_data: bool = True  # the mask metadata kept in SMEM as narrow ints
+    # QKVLayout names of q, k and v inside the kernel (the arrays given are [.., S, D] either way)
+    layouts: tuple[str, str, str] = ("HEAD_DIM_MINOR",) * 3
+    segment_dtype: str = "int32"
+    mask_value: float | None = None  # None: the kernel's default
 
     @property
     def sequence_length(self) -> int:
@@ -229,7 +237,10 @@ def splash_cases(draw) -> Case[SplashParams]:
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
         soft_cap=draw(st.sampled_from((None, SOFT_CAP))),
         blocks=draw(block_sizes(q_len // q_seq_shards, kv_len, fused)), fused_bwd=fused,
-        head_shards=head_shards, q_seq_shards=q_seq_shards, values=draw(st.sampled_from(S.VALUE_KINDS))),
+        head_shards=head_shards, q_seq_shards=q_seq_shards, values=draw(st.sampled_from(S.VALUE_KINDS)),
+        downcast_smem_data=draw(st.booleans()), mask_value=draw(st.sampled_from((None, MASK_VALUE))),
+        layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in "qkv"),
+        segment_dtype=draw(st.sampled_from(("int32", "int16"))) if segments != "none" else "int32"),
         draw(S.seeds))
 
 
@@ -476,10 +487,28 @@ class SplashSpec(KernelSpec[SplashParams]):
         fused_dq_over_kv_blocks=lambda p: p.fused_bwd and keys_in_several_blocks(p, pass_blocks(p)["dkv"]),
         dq_kernel_over_kv_blocks=lambda p: not p.fused_bwd and keys_in_several_blocks(p, pass_blocks(p)["dq"]),
         soft_cap=lambda p: p.soft_cap is not None,
+        # Blocks of several lane tiles in every pass, and q, k, v read transposed.
+        wide_blocks=lambda p: all(p.block_sizes[f] > NUM_LANES for f in (
+            "block_q", "block_kv_compute", "block_q_dkv", "block_kv_dkv_compute")),
+        seq_minor_layouts=lambda p: set(p.layouts) == {"SEQ_MINOR"},
+        # q and kv segment ids of different lengths, either way round, and narrow ones; on
+        # one device, where the probe sees the kernel's call (a sharded one is handed to
+        # shard_map), so that their parameters vary in the report too.
+        segments_q_longer=lambda p: p.segments != "none" and p.q_len > p.kv_len and p.device_count == 1,
+        segments_kv_longer=lambda p: p.segments != "none" and p.kv_len > p.q_len and p.device_count == 1,
+        int16_segment_ids=lambda p: p.segment_dtype == "int16" and p.device_count == 1,
         bf16=lambda p: p.dtype == "bfloat16",
         large_logits=lambda p: p.values == "large",
         exact_ties=lambda p: p.values == "ties")
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
+    fixed_parameters = {
+        "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "
+                  "kind; its structure is not a parameter",
+        "interpret": "interpret mode comes from the backend (force_tpu_interpret_mode with its hazard "
+                     "settings); interpret=True would bypass them",
+        "save_residuals": "returns the forward's logsumexp residuals besides the output: not part of the "
+                          "convention's output, not judged",
+        "residual_checkpoint_name": "a name for jax.checkpoint policies: changes no value"}
 
     def cases(self):
         return splash_cases().filter(lambda case: not any(finding(case.params) for finding in KNOWN_FINDINGS))
@@ -499,20 +528,24 @@ class SplashSpec(KernelSpec[SplashParams]):
         out["d_out"] = S.round_to(np.where(fully_masked_rows(p)[..., None], 0.0, d_out), dt)
         ids = segment_ids(p)
         if ids is not None:
-            out["q_segment_ids"], out["kv_segment_ids"] = ids
+            out["q_segment_ids"], out["kv_segment_ids"] = (x.astype(p.segment_dtype) for x in ids)
         return out
 
     # ------------------------------------------------------------------ running
-    def _forward(self, impl, p: SplashParams):
+    def _forward(self, impl, p: SplashParams, factory=None):
         """forward(q, k, v, q_segment_ids, kv_segment_ids) with the implementation's kernel
-        for the case's masks and blocks, under shard_map when the case is sharded."""
+        for the case's masks and blocks, under shard_map when the case is sharded. MQA
+        cases build it with ``make_splash_mqa`` of the implementation's module (``factory``:
+        a stand-in for that)."""
         module = impl_module(impl)
-        factory = impl if p.api == "mha" else module.make_splash_mqa
+        factory = factory or (impl if p.api == "mha" else module.make_splash_mqa)
         shape = (p.q_len, p.kv_len)
         mask = module.mask_lib.MultiHeadMask([build(module.mask_lib, d, shape) for d in p.masks])
-        blocks = module.BlockSizes(**p.block_sizes, use_fused_bwd_kernel=p.fused_bwd)
+        layouts = {f"{x}_layout": module.QKVLayout[name] for x, name in zip("qkv", p.layouts)}
+        blocks = module.BlockSizes(**p.block_sizes, use_fused_bwd_kernel=p.fused_bwd, **layouts)
+        optional = {"mask_value": p.mask_value} if p.mask_value is not None else {}
         kernel = factory(mask, block_sizes=blocks, attn_logits_soft_cap=p.soft_cap, head_shards=p.head_shards,
-                         q_seq_shards=p.q_seq_shards)
+                         q_seq_shards=p.q_seq_shards, downcast_smem_data=p.downcast_smem_data, **optional)
 
         def forward(q, k, v, q_seg, kv_seg, kernel=kernel):
             return kernel(q, k, v, None if q_seg is None else module.SegmentIds(q=q_seg, kv=kv_seg))
@@ -534,6 +567,14 @@ class SplashSpec(KernelSpec[SplashParams]):
         sharded = jax.shard_map(forward, mesh=mesh, in_specs=(rows, kv, kv, q_ids, P(None), kernel_spec),
                                 out_specs=rows, check_vma=False)
         return lambda q, k, v, q_seg, kv_seg: sharded(q, k, v, q_seg, kv_seg, kernel)
+
+    def parameters(self, impl, case, inputs):
+        p = case.params
+        if p.api == "mha":
+            return super().parameters(impl, case, inputs)
+        return parameters.record(lambda probe: self._forward(impl, p, factory=probe)(
+            inputs["q"], inputs["k"], inputs["v"], inputs.get("q_segment_ids"), inputs.get("kv_segment_ids")),
+            impl_module(impl).make_splash_mqa)
 
     def run(self, impl, case, inputs):
         p = case.params
