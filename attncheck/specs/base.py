@@ -60,7 +60,7 @@ class KernelSpec(abc.ABC, Generic[P]):
       every gate run (``coverage.bug_classes(name=predicate, ...)``);
     - ``examples``: drawn cases per backend in the CI profile (profiles scale them); a
       backend missing here draws ``DEFAULT_EXAMPLES``;
-    - ``fixed_parameters``: parameter name (or fnmatch pattern) -> why the gate keeps it at
+    - ``fixed_parameters``: parameter name (a ``*`` stands for anything) -> why the gate keeps it at
       one value (``attncheck.parameters``: every other parameter must vary in a run);
     - ``keyword_targets``: "module:function" of what an implementation's ``**kwargs`` are
       forwarded to, so that their keywords are part of its parameter surface.

@@ -200,6 +200,14 @@ class DPASpec(KernelSpec[DPAParams]):
         # Off the usual tiles (sequences not multiples of 8 / 128): padding must stay hidden.
         shape_off_tiles=_off_tiles)
     examples = {"xla": 8, "interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
+    fixed_parameters = {
+        "mask.dtype": "the convention's mask is boolean (another dtype is an invalid call)",
+        "*_seq_lengths.dtype": "the convention's lengths are int32 (another dtype is an invalid call)",
+        "local_window_size.len": "a window given as a tuple is (left, right); an int is drawn too",
+        "implementation": "jax.nn's backend selector: on CPU None and 'xla' run the same XLA path, 'cudnn' "
+                          "needs a GPU",
+        "return_residual": "jax.nn's logsumexp residual is not part of the convention's output (the flash "
+                           "adapter has none): not judged"}
 
     def cases(self):
         return dpa_cases()

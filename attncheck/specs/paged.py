@@ -37,7 +37,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key
-from attncheck.specs.base import InvalidCall, KernelSpec
+from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
 
 FAMILY = "paged_attention"
 # (batch, q_heads, kv_heads, head_dim, page_size, pages_per_sequence): head_dim a multiple
@@ -51,6 +51,8 @@ SHAPES = (
 DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
                ("bfloat16", "float32"), ("float32", "int8"), ("bfloat16", "int8"))
 SPARE_PAGES = 3  # pages in the pool no sequence owns: NaN
+# An explicit mask value, large enough that masked logits underflow like the default's.
+MASK_VALUE = -1e30
 SOFT_CAP = 10.0  # below the logits' spread (q.k has std sqrt(D) >= 11): it saturates
 # What the slots past a length inside a read compute block hold: finite, so the additive
 # mask can hide them, and large, so that one leaking in is far off.
@@ -74,6 +76,7 @@ class PagedParams(Params):
     inline_seq_dim: bool
     soft_cap: float | None
     values: str  # "normal" or "large"
+    mask_value: float | None = None  # None: the kernel's default
 
     @property
     def sequence_length(self) -> int:
@@ -116,7 +119,8 @@ def paged_cases(draw) -> Case[PagedParams]:
         head_dim=head_dim, page_size=page_size, pages_per_sequence=pages,
         pages_per_compute_block=draw(st.sampled_from(S.divisors(pages, 1))),
         lengths=tuple(draw(lengths)), megacore_mode=draw(st.sampled_from(megacore)), inline_seq_dim=inline,
-        soft_cap=draw(st.sampled_from((None, SOFT_CAP))), values=draw(st.sampled_from(("normal", "large")))),
+        soft_cap=draw(st.sampled_from((None, SOFT_CAP))), values=draw(st.sampled_from(("normal", "large"))),
+        mask_value=draw(st.sampled_from((None, MASK_VALUE)))),
         draw(S.seeds))
 
 
@@ -172,6 +176,9 @@ class PagedSpec(KernelSpec[PagedParams]):
         megacore_batch_inline=lambda p: _megacore_batch_steps(p) and p.inline_seq_dim,
         megacore_batch_grid=lambda p: _megacore_batch_steps(p) and not p.inline_seq_dim,
         seq_dim_not_inline=lambda p: not p.inline_seq_dim,
+        # The mask value only matters where a read block holds slots past a length.
+        explicit_mask_value=_with_several_keys(lambda p: p.mask_value is not None
+                                               and any(p.read_tokens(n) > n for n in p.lengths)),
         int8_pages=_with_several_keys(lambda p: p.page_dtype == "int8"),
         mixed_dtypes=_with_several_keys(lambda p: p.page_dtype != p.dtype),
         soft_cap=_with_several_keys(lambda p: p.soft_cap is not None),
@@ -181,6 +188,12 @@ class PagedSpec(KernelSpec[PagedParams]):
         bf16_running_output=lambda p: (p.dtype == "bfloat16" and p.groups % 8 == 0
                                        and any(n > p.block_tokens for n in p.lengths)))
     examples = {"interpret": 8, "interpret-hazards": 3, "tpu-lower": 4, "tpu": 24}
+    fixed_parameters = {
+        "*_pages.weight.dtype": "quantized pages are jax's paged_attention.quantization_utils format: int8",
+        "*_pages.scales.dtype": "quantization_utils' scales are float32",
+        "*_pages.scales.shape[3]": "quantization_utils' scales are per token: width 1",
+        "lengths.dtype": "the kernel's scalar-prefetch operands are int32",
+        "page_indices.dtype": "the kernel's scalar-prefetch operands are int32"}
 
     def cases(self):
         return paged_cases()
@@ -217,7 +230,8 @@ class PagedSpec(KernelSpec[PagedParams]):
     @staticmethod
     def _call(impl, p: PagedParams):
         options = dict(attn_logits_soft_cap=p.soft_cap, pages_per_compute_block=p.pages_per_compute_block,
-                       megacore_mode=p.megacore_mode, inline_seq_dim=p.inline_seq_dim)
+                       megacore_mode=p.megacore_mode, inline_seq_dim=p.inline_seq_dim,
+                       **accepted_keywords(impl, mask_value=p.mask_value))
 
         def forward(q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices):
             if k_scales is not None:
