@@ -202,7 +202,7 @@ class GateRun:
             metafunc.parametrize("gate_invalid", [
                 pytest.param(test, id=test.id, marks=[pytest.mark.attncheck_family(test.spec.name)] + (
                     [pytest.mark.xfail(strict=True, reason=f"kernel finding: {test.call.finding}")]
-                    if test.call.finding and test.shipped else []))
+                    if test.call and test.call.finding and test.shipped else []))
                 for test in selection.invalid_input_tests(self.options)])
 
     @staticmethod

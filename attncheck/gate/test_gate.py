@@ -82,6 +82,9 @@ def test_invalid_input_is_rejected_clearly(gate_invalid: selection.InvalidInputT
     exception class); the family's own implementations also raise the class it declares."""
     test, invalid = gate_invalid, gate_invalid.call
     who = f"{test.spec.name}/{test.impl_name} ({test.impl_ref})"
+    if invalid is None:
+        pytest.fail(f"{who}: the family's invalid calls could not be built for this implementation: "
+                    f"{test.unbuilt}", pytrace=False)
     rejected = None
     with BACKENDS["interpret"].context(), attncheck_kernel_time():
         try:

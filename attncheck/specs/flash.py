@@ -374,7 +374,7 @@ def invalid_flash_calls(impl) -> list[InvalidCall]:
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128
     q = jnp.zeros((b, h, s, d), f32)
-    defaults = _fields(module.BlockSizes.get_default())
+    defaults = _fields(module.BlockSizes.get_default(b, h, s, s, d))
 
     def with_blocks(**changes):
         # Built inside the call: a constructor that validates must raise under pytest.raises.
