@@ -340,16 +340,17 @@ class GateRun:
             session_problems=tuple(self._session_problems(session, exitstatus)))
         applicable = {s.name: s.class_names for s in specs.all_specs().values()}
         fixed = {s.name: s.fixed_parameters for s in specs.all_specs().values()}
+        declared = {s.name: model.Declared(tuple(s.contracts), tuple(s.findings)) for s in specs.all_specs().values()}
         floor = self.config.getoption("attncheck_regression_floor")
         floor = accepted.REGRESSION_FLOOR if floor is None else floor
         require_coverage = self.config.getoption("attncheck_require_coverage")
         shard = None if self.shard is None else model.ShardInfo(
             self.shard.index, self.shard.count, tests=len(self.collected), **self._collection(),
             asked={target: dict(outcomes) for target, outcomes in asked.items()}, unavailable=outcome.unavailable,
-            applicable=applicable, fixed_parameters=fixed, require_coverage=require_coverage, accepted_budgets=self.accepted_path,
-            regression_floor=floor)
+            applicable=applicable, fixed_parameters=fixed, require_coverage=require_coverage,
+            accepted_budgets=self.accepted_path, regression_floor=floor, declared=declared)
         report = merge.merge(self.report_dir, self.run_id, outcome, applicable=applicable, fixed_parameters=fixed,
-                             accepted_path=self.accepted_path, require_coverage=require_coverage,
+                             declared=declared, accepted_path=self.accepted_path, require_coverage=require_coverage,
                              regression_floor=floor, shard=shard)
         render.write(self.report_dir, report, regression_floor=floor,
                      accepted=accepted.read(pathlib.Path(self.accepted_path)) if self.accepted_path else None)

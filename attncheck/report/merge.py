@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from attncheck import accepted, coverage, parameters
 from attncheck.mutation import runner
 from attncheck.report import records as rec
-from attncheck.report.model import (FAIL, INCOMPLETE, Report, ShardInfo, SkippedBackend, build, describe_tests,
+from attncheck.report.model import (FAIL, INCOMPLETE, Declared, Report, ShardInfo, SkippedBackend, build, describe_tests,
                                     parameter_table, summarize, unprobed, unverified_targets)
 
 MUTATION_FILE = "mutation.json"
@@ -39,7 +39,8 @@ class RunOutcome:
 def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
           applicable: Mapping[str, tuple[str, ...]], accepted_path: str | None = None,
           regression_floor: float = accepted.REGRESSION_FLOOR, require_coverage: bool = False,
-          fixed_parameters: Mapping[str, Mapping[str, str]] | None = None, shard: ShardInfo | None = None) -> Report:
+          fixed_parameters: Mapping[str, Mapping[str, str]] | None = None,
+          declared: Mapping[str, Declared] | None = None, shard: ShardInfo | None = None) -> Report:
     """The report of a run from the files it wrote; with ``require_coverage`` an applicable
     bug class without a case and a parameter that kept one value (not declared fixed) are
     problems. A shard's report (``shard``) leaves the coverage holes and regressions to the
@@ -68,7 +69,7 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
                  unverified=unverified, skipped_backends=list(outcome.skipped_backends), applicable=applicable,
                  regressions=regressions, mutation=_read_json(directory / MUTATION_FILE),
-                 fixed_parameters=fixed_parameters, shard=shard)
+                 fixed_parameters=fixed_parameters, declared=declared, shard=shard)
 
 
 def _judge_whole_run(records: list[rec.Record], applicable: Mapping[str, tuple[str, ...]],
@@ -190,6 +191,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     problems += [f"a record in more than one shard: {key}" for key in rec.duplicates(records)]
     applicable = {family: classes for i in infos for family, classes in i.applicable.items()}
     fixed = {family: reasons for i in infos for family, reasons in i.fixed_parameters.items()}
+    declared = {family: d for i in infos for family, d in i.declared.items()}
     regressions = None
     if infos:
         try:
@@ -218,7 +220,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     return build(records, run_id="+".join(s.data["run_id"] for s in ordered) or "no-shards", complete=True,
                  wall_s=None if not walls or None in walls else max(walls), problems=problems,
                  unverified=unverified, skipped_backends=list(skipped), applicable=applicable,
-                 regressions=regressions, mutation=mutation, fixed_parameters=fixed)
+                 regressions=regressions, mutation=mutation, fixed_parameters=fixed, declared=declared)
 
 
 def _read_json(path: pathlib.Path):

@@ -65,6 +65,21 @@ class Totals:
 
 
 @dataclasses.dataclass(frozen=True)
+class Declared:
+    """What a family declares of its kernels besides the oracle's semantics, so that the
+    report says which is which: *contracts*, properties a kernel has on purpose that the
+    gate holds it to (paged attention computes with bfloat16 pages), and *findings*, kernel
+    bugs or gaps the gate knows of and keeps out of its draws or as a strict xfail."""
+
+    contracts: tuple[str, ...] = ()
+    findings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Declared:
+        return cls(tuple(data["contracts"]), tuple(data["findings"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardInfo:
     """Which shard of a run (``--attncheck-shard K/N``) a report is, and what merging the
     shards needs besides their records (``attncheck report merge``): the whole collection,
@@ -85,6 +100,7 @@ class ShardInfo:
     require_coverage: bool
     accepted_budgets: str | None
     regression_floor: float
+    declared: Mapping[str, Declared] = dataclasses.field(default_factory=dict)  # family -> its declarations
 
     @property
     def name(self) -> str:
@@ -96,7 +112,8 @@ class ShardInfo:
     @classmethod
     def from_json(cls, data: Mapping) -> ShardInfo:
         return cls(**{**data, "unavailable": tuple(data["unavailable"]),
-                      "applicable": {k: tuple(v) for k, v in data["applicable"].items()}})
+                      "applicable": {k: tuple(v) for k, v in data["applicable"].items()},
+                      "declared": {k: Declared.from_json(v) for k, v in data["declared"].items()}})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +139,7 @@ class Report:
     # family keeps at one value on purpose, with the reason.
     parameters: Mapping[str, Mapping[str, parameters.ParameterValues]] = dataclasses.field(default_factory=dict)
     fixed_parameters: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    declared: Mapping[str, Declared] = dataclasses.field(default_factory=dict)  # family -> its declarations
     shard: ShardInfo | None = None  # None: not a shard of a run
 
     @property
@@ -134,6 +152,7 @@ class Report:
         out["summary"] = [dataclasses.asdict(r) for r in self.summary]
         out["coverage"] = {k: {c: dataclasses.asdict(n) for c, n in v.items()} for k, v in self.coverage.items()}
         out["parameters"] = {k: {name: values.cases for name, values in v.items()} for k, v in self.parameters.items()}
+        out["declared"] = {k: dataclasses.asdict(v) for k, v in self.declared.items()}
         out["device_growth"] = [dataclasses.asdict(g) for g in self.device_growth]
         out["skipped_backends"] = [dataclasses.asdict(s) for s in self.skipped_backends]
         out["records"] = [r.to_json() for r in self.records]
@@ -235,7 +254,7 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
           unverified: list[str], skipped_backends: list[SkippedBackend],
           applicable: Mapping[str, tuple[str, ...]], regressions: list[str] | None = None,
           mutation: dict | None = None, fixed_parameters: Mapping[str, Mapping[str, str]] | None = None,
-          shard: ShardInfo | None = None) -> Report:
+          declared: Mapping[str, Declared] | None = None, shard: ShardInfo | None = None) -> Report:
     """The report of a run from its records (``applicable``: the bug classes of each family)."""
     counts = coverage.table(records, applicable)
     problems = list(problems) + list(regressions or ())
@@ -248,7 +267,8 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
         skipped_backends=skipped_backends, problems=problems, unverified=list(unverified),
         limitations=interpret_compat.limitation_lines(records), regressions=regressions, records=records,
         mutation=mutation, parameters=parameter_table(records),
-        fixed_parameters={k: dict(v) for k, v in (fixed_parameters or {}).items()}, shard=shard)
+        fixed_parameters={k: dict(v) for k, v in (fixed_parameters or {}).items()},
+        declared={k: v for k, v in (declared or {}).items() if v.contracts or v.findings}, shard=shard)
 
 
 def placeholder(run_id: str) -> Report:

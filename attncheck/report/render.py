@@ -130,6 +130,15 @@ def render_markdown(report: Report) -> str:
                               for c, n in sorted(classes.items()))
             out.append(f"- **{md(kernel)}**: {cells}")
         out.append("")
+    if report.declared:
+        out += ["## Contracts and findings", "",
+                "What each family declares of its kernels: a *contract* is a property the gate holds the kernel to "
+                "on purpose, a *finding* a kernel bug or gap it knows of (not drawn, or a strict xfail).", ""]
+        for kernel, declared in report.declared.items():
+            out.append(f"- **{md(kernel)}**")
+            out += [f"  - contract: {md(line)}" for line in declared.contracts]
+            out += [f"  - finding: {md(line)}" for line in declared.findings]
+        out.append("")
     if report.parameters:
         out += render_parameters_markdown(report)
     if report.device_growth:
@@ -397,6 +406,9 @@ def render_html(report: Report, accepted: list[acc.AcceptedBudget] | None = None
     coverage = "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n.cases}</td><td>{n.failures}</td></tr>"
         for k, classes in report.coverage.items() for c, n in sorted(classes.items()))
+    declared_rows = "".join(
+        f"<tr><td>{esc(k)}</td><td>{kind}</td><td>{esc(line)}</td></tr>" for k, d in report.declared.items()
+        for kind, lines in (("contract", d.contracts), ("finding", d.findings)) for line in lines)
     parameter_rows = "".join(
         f"<tr class='{'' if values.varied or parameters.fixed_reason(name, report.fixed_parameters.get(k, {})) else 'bad'}'>"
         f"<td>{esc(k)}</td><td><code>{esc(name)}</code></td><td>{esc(_values(values))}</td>"
@@ -445,6 +457,7 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 <h2 id="summary">Summary</h2><table><tr><th>kernel</th><th>impl</th><th>backend</th><th>dtype</th><th>direction</th><th>cases</th><th>failures</th><th>worst budget</th><th>worst case</th></tr>{rows}</table>
 {'<h2>Backends not run</h2><ul>' + skipped + '</ul>' if skipped else ''}
 <h2 id="coverage">Coverage of bug classes</h2><table><tr><th>kernel</th><th>class</th><th>cases</th><th>failures</th></tr>{coverage}</table>
+{'<h2 id="declared">Contracts and findings</h2><table><tr><th>kernel</th><th></th><th>what</th></tr>' + declared_rows + '</table>' if declared_rows else ''}
 <h2 id="parameters">Parameter coverage</h2><table><tr><th>kernel</th><th>parameter</th><th>values (cases)</th><th>fixed because</th></tr>{parameter_rows}</table>
 <script>{COPY_SCRIPT}</script>
 </body></html>

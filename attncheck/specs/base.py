@@ -63,7 +63,11 @@ class KernelSpec(abc.ABC, Generic[P]):
     - ``fixed_parameters``: parameter name (a ``*`` stands for anything) -> why the gate keeps it at
       one value (``attncheck.parameters``: every other parameter must vary in a run);
     - ``keyword_targets``: "module:function" of what an implementation's ``**kwargs`` are
-      forwarded to, so that their keywords are part of its parameter surface.
+      forwarded to, so that their keywords are part of its parameter surface;
+    - ``contracts``, ``findings``: what the report lists for the family: properties of its
+      kernels the gate holds them to on purpose (the oracle is given what the kernel is
+      declared to compute), and kernel bugs or gaps it knows of (kept out of the draws, or
+      a strict xfail), one sentence each.
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -77,6 +81,8 @@ class KernelSpec(abc.ABC, Generic[P]):
     examples: ClassVar[Mapping[str, int]] = types.MappingProxyType({})
     fixed_parameters: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     keyword_targets: ClassVar[tuple[str, ...]] = ()
+    contracts: ClassVar[tuple[str, ...]] = ()
+    findings: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS

@@ -110,6 +110,8 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
                                "(a dropout wrapper of it with rng)",
                         "rng.dtype": "the key type of jax.random.key, the convention's rng"}
     examples = {"xla": 64}
+    contracts = ("with rng, chunk i calls ffn(params, x_i, rng=fold_in(rng, i)): the oracle applies the dropout "
+                 "masks that contract implies",)
 
     def cases(self):
         return ffn_cases()

@@ -221,6 +221,11 @@ class FlashSpec(KernelSpec[FlashParams]):
         bias_nonfinite_where_masked=lambda p: p.bias and p.bias_values == "nonfinite_masked" and p.causal,
         block_b_gt_1=lambda p: p.block_sizes["block_b"] > 1)
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
+    contracts = (
+        "a row that sees no key of its own segment averages v uniformly over the causally visible keys of the "
+        "other segments, with the softmax gradient at those weights, causal included (the kernel's docstring)",
+        "a -inf ab entry takes no part; a row whose visible ab is all -inf is 0 with zero gradient; NaN or +inf "
+        "in ab where the mask hides the key changes nothing (the kernel's docstring)")
 
     def cases(self):
         return flash_cases()

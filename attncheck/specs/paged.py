@@ -194,6 +194,14 @@ class PagedSpec(KernelSpec[PagedParams]):
         "*_pages.scales.shape[3]": "quantization_utils' scales are per token: width 1",
         "lengths.dtype": "the kernel's scalar-prefetch operands are int32",
         "page_indices.dtype": "the kernel's scalar-prefetch operands are int32"}
+    contracts = (
+        "float pages are computed with as bfloat16 (the kernel loads every page so): the oracle and the "
+        "yardstick get the pages rounded to bfloat16, the tolerance is not widened",
+        "the mask is additive: slots past a length inside the last compute block read must hold finite values "
+        "(NaN there poisons the row); pages no read block touches hold NaN",
+        "megacore modes run on 2 simulated cores (on one the kernel hangs on kv_head)")
+    findings = ("with inline_seq_dim=False the output of a length-0 sequence is never written (NaN or stale "
+                "values): those rows are don't-care",)
 
     def cases(self):
         return paged_cases()

@@ -258,6 +258,10 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         compact_layout=lambda p: p.layout == "compact",
         explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p))
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
+    contracts = (
+        "output rows of tokens that belong to no sequence (past cu_q_lens[num_seqs]) are zeros",
+        "an explicit mask_value must underflow like the default (the docstring: a larger one is block-size "
+        "dependent); unused pages, page tails and padding tokens hold NaN and must not leak")
 
     def cases(self):
         return ragged_cases()

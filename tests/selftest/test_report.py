@@ -163,8 +163,9 @@ def test_schema_follows_the_code():
     shard = model.ShardInfo(2, 4, tests=3, collection_size=9, collection_digest="0123456789abcdef",
                             asked={"toy_attention-builtin-xla": {"passed": 2}}, unavailable=(),
                             applicable=APPLICABLE, fixed_parameters={}, require_coverage=True, accepted_budgets=None,
-                            regression_floor=0.3)
-    sharded = report_of([record()], shard=shard).to_json()
+                            regression_floor=0.3, declared={"toy_attention": DECLARED})
+    sharded = report_of([record()], shard=shard, declared={"toy_attention": DECLARED}).to_json()
+    assert model.ShardInfo.from_json(sharded["shard"]) == shard
     assert set(SCHEMA["$defs"]["shard"]["required"]) == set(sharded["shard"]) == {
         f.name for f in dataclasses.fields(model.ShardInfo)}
     REPORT_VALIDATOR.validate(json.loads(json.dumps(sharded)))
@@ -312,6 +313,22 @@ def test_markdown_lists_failures_with_reproducers_and_stays_short():
     assert "70 more in report.json" in markdown
     # The reason's pipe is escaped and its newline removed: each failure row keeps 7 cells.
     assert all(len(re.split(r"(?<!\\)\|", row)) == 9 for row in failure_rows)
+
+
+DECLARED = model.Declared(contracts=("pages are computed with as bfloat16",),
+                          findings=("a q block that visits no kv block outputs NaN",))
+
+
+def test_the_report_says_which_properties_are_contracts_and_which_are_findings():
+    report = report_of([record()], declared={"toy_attention": DECLARED, "other": model.Declared()})
+    assert report.declared == {"toy_attention": DECLARED}  # a family that declares nothing is left out
+    markdown = render.render_markdown(report)
+    assert ("## Contracts and findings" in markdown
+            and "  - contract: pages are computed with as bfloat16" in markdown
+            and "  - finding: a q block that visits no kv block outputs NaN" in markdown)
+    html = render.render_html(report)
+    assert "<td>finding</td><td>a q block that visits no kv block outputs NaN</td>" in html
+    assert "Contracts and findings" not in render.render_markdown(report_of([record()]))
 
 
 def test_markdown_of_a_clean_run_says_pass():

@@ -141,13 +141,18 @@ def write_shard(directory, records, info: model.ShardInfo | None, **overrides):
     return directory
 
 
+def probed(r: rec.Record) -> rec.Record:
+    """The record with the parameters the probe would have found (its dtype varies)."""
+    return dataclasses.replace(r, parameters={"q.dtype": r.dtype})
+
+
 @pytest.fixture
 def shards(tmp_path, monkeypatch):
     """Three shards of one passing run: shard 1 holds the causal case, shard 2 the bf16
     one, shard 3 a test whose cases all went to other tests."""
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
-    causal = [record("causal", classes=("causal",), direction=d) for d in ("out", "dq")]
-    bf16 = [record("bf16", classes=("bf16",), dtype="bfloat16", direction=d) for d in ("out", "dq")]
+    causal = [probed(record("causal", classes=("causal",), direction=d)) for d in ("out", "dq")]
+    bf16 = [probed(record("bf16", classes=("bf16",), dtype="bfloat16", direction=d)) for d in ("out", "dq")]
     return {1: write_shard(tmp_path / "s1", causal, shard_info(1)),
             2: write_shard(tmp_path / "s2", bf16, shard_info(2)),
             3: write_shard(tmp_path / "s3", [], shard_info(3, asked={TARGET: {"skipped": 1}}),
@@ -167,7 +172,9 @@ def test_the_merge_judges_coverage_and_what_was_verified_on_the_whole_run(shards
     # A class no shard exercised is a hole of the whole run.
     write_shard(shards[2], [], shard_info(2))
     holes = merge.merge_shards(list(shards.values()))
-    assert holes.verdict == "FAIL" and holes.problems == ["coverage: toy_attention never exercised bf16"]
+    assert holes.verdict == "FAIL" and holes.problems == [
+        "coverage: toy_attention never exercised bf16",
+        "parameter coverage: toy_attention never varied q.dtype (always float32)"]
 
 
 def test_the_merge_judges_parameter_coverage_on_the_whole_run(tmp_path):
