@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gate
 
 def _ring(family, devices, per_device, **overrides):
     params = dict(dtype="float32", devices=devices, seq_len=devices * per_device, per_device=per_device,
-                  heads=1, head_dim=all_specs()[family].head_dim, causal=True, bias="none", segments="none",
+                  heads=1, head_dim=all_specs()[family].head_dims.ci[0], causal=True, bias="none", segments="none",
                   segment_starts=(), float32_logits=True, values="normal")
     if family == "ring_attention":
         params.update(query_chunk_size=min(16, per_device), key_chunk_size=min(16, per_device), dropout_rate=0.0)

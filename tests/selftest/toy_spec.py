@@ -123,7 +123,7 @@ def toy_attention_chunked(q, k, v, *, causal: bool, sm_scale: float):
 def toy_attention_chunk_edge(q, k, v, *, causal: bool, sm_scale: float):
     """The second key chunk starts one key late, so the key at the chunk boundary is never
     attended to (an off-by-one in a block's start offset)."""
-    _validate(q, k, v)
+    validate(q, k, v)
     s = _logits(q, k, causal, sm_scale)
     return _weighted(jax.nn.softmax(s.at[..., s.shape[-1] // 2].set(_MASKED_LOGIT), axis=-1), v, q.dtype)
 
