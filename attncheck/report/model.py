@@ -107,7 +107,9 @@ class ShardInfo:
         return f"{self.index}/{self.count}"
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        # Not dataclasses.asdict: it deep-copies values, and a spec's class-level mappings
+        # (fixed_parameters) are read-only proxies that cannot be copied.
+        return _json_safe({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @classmethod
     def from_json(cls, data: Mapping) -> ShardInfo:
@@ -171,8 +173,10 @@ def _json_safe(value):
     as records do (e.g. the worst budget of a group holding a crashed case)."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {k: _json_safe(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json_safe(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value

@@ -10,6 +10,7 @@ import html.parser
 import json
 import math
 import re
+import types
 
 import jax.numpy as jnp
 import jsonschema
@@ -162,7 +163,9 @@ def test_schema_follows_the_code():
     REPORT_VALIDATOR.validate(json.loads(json.dumps(built)))
     shard = model.ShardInfo(2, 4, tests=3, collection_size=9, collection_digest="0123456789abcdef",
                             asked={"toy_attention-builtin-xla": {"passed": 2}}, unavailable=(),
-                            applicable=APPLICABLE, fixed_parameters={}, require_coverage=True, accepted_budgets=None,
+                            applicable=APPLICABLE, require_coverage=True, accepted_budgets=None,
+                            # As a spec declares them: a read-only class-level mapping.
+                            fixed_parameters={"toy_attention": types.MappingProxyType({"sm_scale": "fixed"})},
                             regression_floor=0.3, declared={"toy_attention": DECLARED})
     sharded = report_of([record()], shard=shard, declared={"toy_attention": DECLARED}).to_json()
     assert model.ShardInfo.from_json(sharded["shard"]) == shard
