@@ -264,6 +264,7 @@ class GateRun:
             self.test_outcomes[test.target_id].append(f"{report.outcome}{': ' + reason if reason else ''}")
 
     def pytest_sessionstart(self, session):
+        self.writer.log_faults()  # after pytest's faulthandler plugin has set stderr
         if not self.is_worker:
             self.config.pluginmanager.register(MaxfailStop(session, self.stop_file), "attncheck-maxfail-stop")
 
@@ -372,6 +373,10 @@ class GateRun:
             terminalreporter.write_line(f"NO CASES: {line}", yellow=True)
         for problem in report.problems:
             terminalreporter.write_line(f"GATE FAILURE: {problem}", red=True)
+        for record in [r for r in report.records if r.reason.startswith(rec.UNFINISHED)]:
+            # A crashed or killed process: pytest names the test, this the case and the cause.
+            terminalreporter.write_line(f"LOST CASE: {record.case_id} ({record.impl}, {record.backend}): "
+                                        f"{record.reason}", red=True)
         for line in report.limitations:
             terminalreporter.write_line(f"NOT RUNNABLE: {line}", yellow=True)
 

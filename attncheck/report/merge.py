@@ -49,7 +49,8 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
     records, problems = rec.read_records(directory, run_id)
     started, marker_problems = rec.read_started(directory, run_id)
     problems += marker_problems
-    records = sorted(records + rec.unfinished(run_id, started, records, outcome.failed_tests), key=lambda r: r.key)
+    records = sorted(records + rec.unfinished(run_id, started, records, outcome.failed_tests,
+                                             rec.fatal_errors(directory, run_id)), key=lambda r: r.key)
     if not outcome.complete:
         problems.append("run interrupted: the report holds the records written before the stop")
     problems += outcome.session_problems

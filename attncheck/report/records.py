@@ -13,6 +13,7 @@ error record naming the case and its reproducer. A run that died leaves its file
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import functools
 import json
 import math
@@ -35,6 +36,10 @@ STARTED_SUFFIX = ".started"
 # records; the bench counts it as kernel time. Not a junit.xml property: properties of a
 # test case are invalid in the xunit2 format CI systems read.
 KERNEL_TIME_SUFFIX = ".kernel_s"
+# faulthandler's dump of a process that died of a fatal signal (a segfault or an abort in
+# XLA, the OOM killer's SIGKILL leaves none): the merge quotes it for the cases the process
+# left unfinished, so a crash in CI names its cause in the report, not only in a log.
+FAULTS_SUFFIX = ".faults"
 # The run's own description, written when it starts (``RunInfo``).
 RUN_SUFFIX = ".run.json"
 # A shard's whole collection (``Collection``).
@@ -148,6 +153,11 @@ class RecordWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
         self.worker = worker
+
+    def log_faults(self) -> None:
+        """Send this process' fatal-error dump (every thread's stack) to its faults file."""
+        self._faults = open(self.path.with_suffix(FAULTS_SUFFIX), "w", encoding="utf-8")  # noqa: SIM115 - for life
+        faulthandler.enable(self._faults, all_threads=True)
 
     def started(self, case_run: CaseRun) -> None:
         """Say a case is about to run: if no record of it follows, the merge reports it."""
@@ -343,10 +353,32 @@ def read_started(report_dir: pathlib.Path, run_id: str) -> tuple[list[tuple[str,
     return started, problems
 
 
+# The reason of the error record of a case that started and never produced a record.
+UNFINISHED = "case started but never finished"
+
+
+def fatal_errors(report_dir: pathlib.Path, run_id: str) -> dict[str, str]:
+    """worker -> what killed it, from its faults file: the fatal error and where the
+    crashing thread was ("Fatal Python error: Segmentation fault at File "k.py", line 3 in
+    f"), for every process of the run that died of one."""
+    died = {}
+    for path in run_files(report_dir, run_id, FAULTS_SUFFIX):
+        lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
+        error = next((line for line in lines if line.startswith("Fatal Python error")), None)
+        if error is None:
+            continue
+        current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+        frame = lines[current + 1] if current is not None and current + 1 < len(lines) else ""
+        died[path.name[len(run_id) + 1:-len(FAULTS_SUFFIX)]] = f"{error} at {frame}" if frame.startswith("File") \
+            else error
+    return died
+
+
 def unfinished(run_id: str, started: list[tuple[str, CaseRun]], records: list[Record],
-               fates: Mapping[str, str]) -> list[Record]:
+               fates: Mapping[str, str], fatal: Mapping[str, str] | None = None) -> list[Record]:
     """An error record for every case that started and never produced a record; ``fates``
-    says what happened to each test that failed (nodeid -> pytest's reason)."""
+    says what happened to each test that failed (nodeid -> pytest's reason), ``fatal`` what
+    killed a worker that died of a fatal error (``fatal_errors``)."""
     finished = {(r.nodeid, r.case_id, r.impl, r.backend) for r in records}
     lost: dict[tuple, Record] = {}
     for worker, marker in started:
@@ -354,8 +386,10 @@ def unfinished(run_id: str, started: list[tuple[str, CaseRun]], records: list[Re
         if key in finished or key in lost:
             continue
         fate = fates.get(marker.nodeid) or "the run ended (killed or crashed) before the case finished"
+        if fatal and worker in fatal:
+            fate = f"{fate}; the process died: {fatal[worker]} (its faults file in the report's records)"
         lost[key] = Record(**{f.name: getattr(marker, f.name) for f in dataclasses.fields(CaseRun)},
-                           direction="all", outcome="error", reason=f"case started but never finished: {fate}",
+                           direction="all", outcome="error", reason=f"{UNFINISHED}: {fate}",
                            run_id=run_id, worker=worker)
     return list(lost.values())
 

@@ -155,6 +155,13 @@ def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir,
     lost = [r for r in report["records"] if r["outcome"] == "error"]
     assert len(passed) == 4 * (chaos.MISBEHAVE_AT - 1)  # the cases before the crash, every direction
     assert len(lost) == 1 and named(lost[0]) and "crashed" in lost[0]["reason"], lost
+    # An abort is a fatal signal: the reason says what killed the worker and where; an
+    # exit is no crash of the interpreter and leaves no dump.
+    fatal = re.search(r"the process died: Fatal Python error: Aborted at File \S*chaos\.py\", line \d+ in _on_call",
+                      lost[0]["reason"])
+    assert bool(fatal) is (name == "abort_process"), lost[0]["reason"]
+    result.stdout.fnmatch_lines(
+        [f"LOST CASE: {lost[0]['case_id']} (user, {lost[0]['backend']}): case started but never finished: worker*"])
 
 
 def test_a_process_that_dies_leaves_incomplete_not_the_previous_pass_and_can_be_merged(gate_dir, pytester):
