@@ -102,7 +102,10 @@ class FlashParams(Params):
 
 # The kernels' two-level tilings (axis -> length, major block, minor block). A
 # causal position is major offset + minor offset; each such sum is exercised under causal
-# masking only when there are several major blocks *and* several minor blocks in each.
+# masking only when there are several major blocks *and* several minor blocks in each, and
+# the diagonal crosses a minor block after the first of a major block after the first
+# (a minor block the diagonal never reaches is skipped whole, or wholly visible, whatever
+# offset the mask adds).
 NESTED_TILINGS = ("fwd_kv", "dkv_q", "dkv_kv", "dq_kv")
 
 
@@ -114,7 +117,8 @@ def nested_tilings(p: FlashParams) -> list[str]:
               "dkv_kv": (kv_len, blocks["block_k_major_dkv"], blocks["block_k_dkv"]),
               "dq_kv": (kv_len, blocks["block_k_major_dq"], blocks["block_k_dq"])}
     return [axis for axis in NESTED_TILINGS
-            if levels[axis][0] > levels[axis][1] > levels[axis][2]]
+            if levels[axis][0] > levels[axis][1] > levels[axis][2]
+            and min(q_len, kv_len) > levels[axis][1] + levels[axis][2]]
 
 
 def pass_tiles(p: FlashParams) -> tuple[tuple[int, int], ...]:

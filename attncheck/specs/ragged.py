@@ -210,6 +210,24 @@ def _with_several_keys(predicate):
     return lambda p: some_query_sees_several_keys(p) and predicate(p)
 
 
+def rows_end_in_different_kv_blocks(p: RaggedParams) -> bool:
+    """One grid step holds two consecutive query rows of a sequence whose last visible keys
+    lie in different kv blocks: the step processes the later row's last block, which is
+    wholly masked for the earlier row. The online softmax must carry that row's running
+    max through it; one that takes the block's max instead sinks to the mask value, and
+    rescales by exp(max - mask value)."""
+    block = p.kv_block_pages * p.page_size
+    token = 0
+    for q_len, kv_len in p.seqs:
+        for row in range(q_len - 1):
+            last_key = kv_len - q_len + row  # causal: row r sees keys 0..kv_len - q_len + r
+            same_step = (token + row) // p.q_block_tokens == (token + row + 1) // p.q_block_tokens
+            if same_step and last_key // block != (last_key + 1) // block:
+                return True
+        token += q_len
+    return False
+
+
 class RaggedSpec(KernelSpec[RaggedParams]):
     name = FAMILY
     fixed_parameters = {
@@ -250,6 +268,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         # A grid step owns a block of consecutive query tokens: where two sequences share
         # one, the softmax state must restart at the sequence boundary, not the step's.
         seqs_share_q_block=seqs_share_a_q_block,
+        rows_end_in_different_kv_blocks=rows_end_in_different_kv_blocks,
         # The kernel's documented contracts, each where it can be observed.
         rows_past_the_last_sequence=lambda p: sum(q for q, _ in p.seqs) < p.shapes.max_tokens,
         empty_seq_before_another=empty_seq_before_another,

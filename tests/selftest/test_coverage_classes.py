@@ -8,10 +8,11 @@ import pytest
 from attncheck.specs import all_specs, dpa, flash, paged, ragged
 
 
-def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None) -> ragged.RaggedParams:
+def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> ragged.RaggedParams:
     return ragged.RaggedParams(dtype="float32", kv_dtype="float32", page_size=8, num_q_heads=heads, num_kv_heads=1,
                                seqs=seqs, sliding_window=window, soft_cap=None, k_scale=None, v_scale=None,
-                               sm_scale=1.0, num_kv_pages_per_block=None, num_queries_per_block=queries_per_block,
+                               sm_scale=1.0, num_kv_pages_per_block=kv_pages_per_block,
+                               num_queries_per_block=queries_per_block,
                                padding="repeat_last", values="normal")
 
 
@@ -35,6 +36,19 @@ def test_expected_max_rises_counts_the_blocks_after_the_first_a_row_sees(seqs, w
 ])
 def test_seqs_share_a_q_block(seqs, block, shared):
     assert ragged.seqs_share_a_q_block(ragged_case(seqs, queries_per_block=block)) is shared
+
+
+@pytest.mark.parametrize("seqs, queries_per_block, different", [
+    (((2, 9),), 8, True),  # rows see keys 0..7 and 0..8: the second row's block 1 is all masked for the first
+    (((2, 10),), 8, False),  # keys 0..8 and 0..9: both rows end in block 1
+    (((1, 16),), 8, False),  # one row
+    (((2, 9),), 1, False),  # each row has a grid step of its own
+    (((1, 1), (2, 9)), 2, False),  # tokens 1 and 2 are in different steps of 2
+    (((1, 1), (2, 9)), 8, True),
+])
+def test_rows_end_in_different_kv_blocks_within_one_grid_step(seqs, queries_per_block, different):
+    case = ragged_case(seqs, queries_per_block=queries_per_block, kv_pages_per_block=1)  # 8-token kv blocks
+    assert ragged.rows_end_in_different_kv_blocks(case) is different
 
 
 @pytest.mark.parametrize("seqs, window, several", [
@@ -62,6 +76,15 @@ def test_causal_skips_in_every_pass_needs_a_kv_block_past_the_first_q_tile_in_ea
     assert not flash.causal_skips_in_every_pass(flash_case(128, 256, block_k_major_dq=256))
     # A first q tile of 256 rows sees the last kv block starting at 128.
     assert not flash.causal_skips_in_every_pass(flash_case(256, 256, block_q_major_dkv=256))
+
+
+def test_a_nested_tiling_needs_the_diagonal_past_the_first_minor_block_of_a_later_major_block():
+    blocks = {"block_k_major_dq": 256, "block_k_dq": 128}
+    assert "dq_kv" in flash.nested_tilings(flash_case(512, 512, **blocks))
+    # Rows 0..383 reach no further than the first minor block of the second major block.
+    assert "dq_kv" not in flash.nested_tilings(flash_case(384, 512, **blocks))
+    assert "dq_kv" not in flash.nested_tilings(flash_case(512, 512, block_k_major_dq=512, block_k_dq=128))
+    assert "dq_kv" not in flash.nested_tilings(flash_case(512, 512, block_k_major_dq=256, block_k_dq=256))
 
 
 def test_segments_vary_across_tiles_in_every_pass():
