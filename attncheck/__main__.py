@@ -188,7 +188,7 @@ def cmd_budgets_accept(args) -> int:
 
 
 def cmd_durations_update(args) -> int:
-    from attncheck import scheduling
+    from attncheck import scheduling, specs
 
     measured = pathlib.Path(args.report) / scheduling.REPORT_FILE
     if not measured.is_file():
@@ -198,6 +198,11 @@ def cmd_durations_update(args) -> int:
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(f"wrote {count} test durations to {args.output}")
+    sources = scheduling.sources_path(pathlib.Path(args.output))
+    count = scheduling.write_sources(sources, (ref for spec in specs.all_specs().values()
+                                               for ref in spec.default_impls.values()))
+    print(f"wrote the source digests of {count} implementations to {sources} (their families run first once "
+          "they change)")
     return 0
 
 

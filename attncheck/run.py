@@ -152,6 +152,18 @@ class GateRun:
             self._warn(f"--attncheck-durations: ignoring {path}: {exc}")
             return {}
 
+    def _changed_families(self) -> frozenset[str]:
+        path = scheduling.sources_path(self.config.rootpath / (self.config.getoption("attncheck_durations")
+                                                               or str(scheduling.DEFAULT_FILE)))
+        refs: dict[str, set[str]] = collections.defaultdict(set)
+        for test in selection.gate_tests(self.options):
+            refs[test.spec.name].add(test.impl_ref)
+        try:
+            return scheduling.changed_families(refs, scheduling.load_sources(path))
+        except (ImportError, OSError, TypeError, ValueError) as exc:  # like the durations: speed only
+            self._warn(f"ignoring {path}: {exc}")
+            return frozenset()
+
     def _take_the_report_directory(self) -> None:
         from attncheck.report import model, render
 
@@ -227,7 +239,7 @@ class GateRun:
                 return marker is None or marker.args[0] in wanted
 
             self._keep(config, items, asked_for)
-        items[:] = scheduling.run_order(items, self.durations)
+        items[:] = scheduling.run_order(items, self.durations, self._changed_families())
         if self.shard is not None:
             rec.Collection(len(items), scheduling.collection_digest(i.nodeid for i in items)).write(
                 self.report_dir, self.run_id)

@@ -1,11 +1,17 @@
-"""Test order from measured durations: fail-fast tests first, then longest first; and the
-split of a run into shards balanced by the same durations.
+"""Test order from measured durations: the tests of changed kernels first, fail-fast tests
+first, then longest first; and the split of a run into shards balanced by the same durations.
 
 The gate's tests differ in cost by two orders of magnitude (one kernel family on one
 backend takes a minute, an invalid-input check a millisecond). xdist hands tests out in
 collection order, so a long test collected last leaves one worker running it while the
 other idles. Sorting by the durations of an earlier run, longest first, and handing out
 one test at a time (``--maxschedchunk 1``) makes the tail of the run short tests only.
+
+A pull request that changes a kernel is most likely to break that kernel's family: the
+families whose implementation sources differ from those the durations were recorded with
+(``tests/kernel_sources.json``, written with them by ``attncheck durations update``) run
+all their tests first, so ``pytest -x`` names a bug in the changed kernel before it spends
+a minute on the families the change cannot reach.
 
 Order changes only speed, never verdicts: the gate's tests are order-independent (the CI
 profile draws every case from a fixed seed).
@@ -15,14 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
+import inspect
 import json
 import math
 import pathlib
 import re
 import statistics
+import sys
+from collections.abc import Iterable, Mapping
 
 DEFAULT_FILE = pathlib.Path("tests") / "durations.json"
 REPORT_FILE = "durations.json"
+SOURCES_FILE = "kernel_sources.json"  # beside the durations file
 
 
 def load(path: pathlib.Path) -> dict[str, float]:
@@ -50,15 +61,16 @@ def _typical(items: list, durations: dict[str, float], *, fail_fast: bool) -> fl
     return statistics.median(known) if known else 0.0
 
 
-def run_order(items: list, durations: dict[str, float]) -> list:
-    """Fail-fast tests (the families' coverage examples) first: under ``pytest -x`` the
-    time to the first failure is what counts. Each family's lead test (``lead=True``: its
-    simplest classes, where most bugs show) runs first, shortest first; then the other
-    fail-fast tests longest first, which keeps the end of the fail-fast phase, the worst
-    time to name a bug that only a later example shows, near its total over the workers.
-    Simulated on recorded durations with 2 workers: the phase ends at 56.5 s, against
-    62.3 s shortest first throughout, and a family's first verdict comes at 7.8 s on
-    average, against 10.0 s.
+def run_order(items: list, durations: dict[str, float], changed: frozenset[str] = frozenset()) -> list:
+    """The families in ``changed`` (``changed_families``) first, all their tests, then the
+    others; within each part, fail-fast tests (the families' coverage examples) first: under
+    ``pytest -x`` the time to the first failure is what counts. Each family's lead test
+    (``lead=True``: its simplest classes, where most bugs show) runs first, shortest first;
+    then the other fail-fast tests longest first, which keeps the end of the fail-fast
+    phase, the worst time to name a bug that only a later example shows, near its total
+    over the workers. Simulated on recorded durations with 2 workers: the phase ends at
+    56.5 s, against 62.3 s shortest first throughout, and a family's first verdict comes at
+    7.8 s on average, against 10.0 s.
 
     A fail-fast test with no record yet counts as the median of those that have one: they
     are alike in size (a few examples each), and a renumbered coverage split must not
@@ -69,13 +81,81 @@ def run_order(items: list, durations: dict[str, float]) -> list:
     typical_fail_fast = _typical(items, durations, fail_fast=True)
 
     def key(item):
+        first = 0 if _family(item) in changed else 3
         marker = _fail_fast(item)
         if marker is None:
-            return (2, -durations.get(item.nodeid, math.inf))
+            return (first + 2, -durations.get(item.nodeid, math.inf))
         seconds = durations.get(item.nodeid, typical_fail_fast)
-        return (0, seconds) if marker.kwargs.get("lead") else (1, -seconds)
+        return (first, seconds) if marker.kwargs.get("lead") else (first + 1, -seconds)
 
     return sorted(items, key=key)
+
+
+def _family(item) -> str:
+    marker = item.get_closest_marker(FAMILY_MARKER)
+    return marker.args[0] if marker is not None else ""
+
+
+# ------------------------------------------------------------------ changed kernels
+def source_digest(impl_ref: str) -> str:
+    """A hash of the source an implementation ("module:function") runs: its module and the
+    modules it uses from its own directory and below (a ring kernel built on the flash
+    kernel beside it changes when that one does). Modules elsewhere (jax, numpy) are the
+    environment's, pinned by the lock file."""
+    module = importlib.import_module(impl_ref.partition(":")[0])
+    root = pathlib.Path(inspect.getfile(module)).resolve().parent
+    seen: dict[str, pathlib.Path] = {}
+    pending = [module]
+    while pending:
+        current = pending.pop()
+        try:
+            path = pathlib.Path(inspect.getfile(current)).resolve()
+        except TypeError:  # built in
+            continue
+        if current.__name__ in seen or not path.is_relative_to(root):
+            continue
+        seen[current.__name__] = path
+        for value in vars(current).values():
+            used = value if inspect.ismodule(value) else sys.modules.get(getattr(value, "__module__", None) or "")
+            if used is not None and used.__name__ not in seen:
+                pending.append(used)
+    digest = hashlib.sha256()
+    for name in sorted(seen):
+        digest.update(name.encode() + b"\0" + seen[name].read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def sources_path(durations_path: pathlib.Path) -> pathlib.Path:
+    return durations_path.with_name(SOURCES_FILE)
+
+
+def load_sources(path: pathlib.Path) -> dict[str, str]:
+    """impl ref -> source digest when the durations were recorded; empty when absent."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise ValueError(f"{path}: expected a JSON object of implementation reference -> source digest")
+    return data
+
+
+def write_sources(path: pathlib.Path, impl_refs: Iterable[str]) -> int:
+    """Record the current source digest of each implementation. Returns how many."""
+    digests = {ref: source_digest(ref) for ref in sorted(set(impl_refs))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(digests, indent=0) + "\n")
+    return len(digests)
+
+
+def changed_families(impl_refs: Mapping[str, Iterable[str]], recorded: Mapping[str, str]) -> frozenset[str]:
+    """The families (name -> the impl refs this run tests) with an implementation whose
+    source differs from the recorded one, or that has no record: a new implementation (a
+    user's ``--attncheck-impl``) is changed code too. With nothing recorded at all, nothing
+    is known to have changed and nothing moves."""
+    if not recorded:
+        return frozenset()
+    return frozenset(family for family, refs in impl_refs.items()
+                     if any(recorded.get(ref) != source_digest(ref) for ref in refs))
 
 
 def write(path: pathlib.Path, durations: dict[str, float]) -> None:
@@ -132,10 +212,6 @@ def assign(items: list, durations: dict[str, float], count: int) -> dict[str, in
     def seconds(item) -> float:
         return max(SHARD_MIN_TEST_S, durations.get(item.nodeid, typical[bool(_fail_fast(item))]))
 
-    def family(item) -> str:
-        marker = item.get_closest_marker(FAMILY_MARKER)
-        return marker.args[0] if marker is not None else ""
-
     def longest_first(group: list) -> list:
         return sorted(group, key=lambda i: (-seconds(i), i.nodeid))
 
@@ -149,7 +225,7 @@ def assign(items: list, durations: dict[str, float], count: int) -> dict[str, in
     coverage_by_family: dict[str, list] = {}
     for item in items:
         if _fail_fast(item):
-            coverage_by_family.setdefault(family(item), []).append(item)
+            coverage_by_family.setdefault(_family(item), []).append(item)
     for name in sorted(coverage_by_family):
         held = [0] * count
         for item in longest_first(coverage_by_family[name]):

@@ -1,8 +1,12 @@
-"""Test order: fail-fast tests first, then longest first; and stopping at --maxfail."""
+"""Test order: changed kernels first, fail-fast tests first, then longest first; and stopping
+at --maxfail."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+import textwrap
 import types
 
 import pytest
@@ -10,10 +14,10 @@ import pytest
 from attncheck import scheduling
 
 
-def _item(nodeid: str, fail_fast: bool = False, lead: bool = False):
-    marker = types.SimpleNamespace(kwargs={"lead": lead}) if fail_fast else None
-    return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: marker
-                                 if name == scheduling.FAIL_FAST_MARKER else None)
+def _item(nodeid: str, fail_fast: bool = False, lead: bool = False, family: str | None = None):
+    markers = {scheduling.FAIL_FAST_MARKER: types.SimpleNamespace(kwargs={"lead": lead}) if fail_fast else None,
+               scheduling.FAMILY_MARKER: types.SimpleNamespace(args=(family,)) if family else None}
+    return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=markers.get)
 
 
 def test_lead_fail_fast_shortest_first_other_fail_fast_longest_first_then_the_rest_longest_first():
@@ -39,6 +43,68 @@ def test_without_durations_the_collection_order_stays_apart_from_fail_fast(tmp_p
     durations = scheduling.load(tmp_path / "missing.json")
     assert durations == {}
     assert [i.nodeid for i in scheduling.run_order(items, durations)] == ["a", "b", "c"]
+
+
+def test_a_changed_family_runs_all_its_tests_first_in_the_usual_order():
+    items = [_item("other-lead", fail_fast=True, lead=True, family="other"), _item("selftest"),
+             _item("other-drawn", family="other"), _item("changed-drawn", family="changed"),
+             _item("changed-later", fail_fast=True, family="changed"),
+             _item("changed-lead", fail_fast=True, lead=True, family="changed")]
+    durations = {"other-lead": 1.0, "selftest": 0.1, "other-drawn": 30.0, "changed-drawn": 90.0,
+                 "changed-later": 9.0, "changed-lead": 20.0}
+    order = [i.nodeid for i in scheduling.run_order(items, durations, frozenset({"changed"}))]
+    assert order == ["changed-lead", "changed-later", "changed-drawn", "other-lead", "other-drawn", "selftest"]
+    assert [i.nodeid for i in scheduling.run_order(items, durations)][:2] == ["other-lead", "changed-lead"]
+
+
+@pytest.fixture
+def kernel_package(tmp_path, monkeypatch):
+    """kernels_under_test/{ring,flash,ffn}.py: ring uses the flash kernel beside it."""
+    package = tmp_path / "kernels_under_test"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "flash.py").write_text("import numpy as np\n\ndef flash(q):\n    return np.exp(q)\n")
+    (package / "ring.py").write_text("from kernels_under_test.flash import flash\n\ndef ring(q):\n"
+                                     "    return flash(q)\n")
+    (package / "ffn.py").write_text("def ffn(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield package
+    for name in [n for n in sys.modules if n.startswith("kernels_under_test")]:
+        del sys.modules[name]
+
+
+def _reload_all() -> None:
+    importlib.invalidate_caches()
+    for name in ("kernels_under_test.flash", "kernels_under_test.ring", "kernels_under_test.ffn"):
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+
+
+def test_a_family_changes_with_its_kernel_or_a_kernel_it_uses_or_a_new_implementation(kernel_package, tmp_path):
+    refs = {"flash": ["kernels_under_test.flash:flash"], "ring": ["kernels_under_test.ring:ring"],
+            "ffn": ["kernels_under_test.ffn:ffn"]}
+    recorded_path = tmp_path / "kernel_sources.json"
+    assert scheduling.write_sources(recorded_path, [ref for refs_of in refs.values() for ref in refs_of]) == 3
+    recorded = scheduling.load_sources(recorded_path)
+    assert scheduling.changed_families(refs, recorded) == frozenset()
+    without_ring = {ref: digest for ref, digest in recorded.items() if ref != "kernels_under_test.ring:ring"}
+    assert scheduling.changed_families(refs, without_ring) == {"ring"}  # new: never recorded
+    (kernel_package / "flash.py").write_text(textwrap.dedent("""\
+        import numpy as np
+
+        def flash(q):
+            return np.exp(q - 1)
+        """))
+    _reload_all()
+    assert scheduling.changed_families(refs, recorded) == {"flash", "ring"}
+    assert scheduling.changed_families(refs, {}) == frozenset()
+
+
+def test_a_malformed_sources_file_is_named(tmp_path):
+    bad = tmp_path / "kernel_sources.json"
+    bad.write_text('{"kernels.flash:flash": 3}')
+    with pytest.raises(ValueError, match=r"kernel_sources.json: expected a JSON object of implementation reference"):
+        scheduling.load_sources(bad)
 
 
 def test_merge_keeps_tests_the_run_did_not_include(tmp_path):
