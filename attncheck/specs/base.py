@@ -67,7 +67,10 @@ class KernelSpec(abc.ABC, Generic[P]):
     - ``contracts``, ``findings``: what the report lists for the family: properties of its
       kernels the gate holds them to on purpose (the oracle is given what the kernel is
       declared to compute), and kernel bugs or gaps it knows of (kept out of the draws, or
-      a strict xfail), one sentence each.
+      a strict xfail), one sentence each;
+    - ``own_contracts``: the contracts (among ``contracts``) that only the family's own
+      implementations promise, not the convention: another implementation is not held to
+      them, and the elements they fix (``own_contract_elements``) do not count for it.
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -83,6 +86,7 @@ class KernelSpec(abc.ABC, Generic[P]):
     keyword_targets: ClassVar[tuple[str, ...]] = ()
     contracts: ClassVar[tuple[str, ...]] = ()
     findings: ClassVar[tuple[str, ...]] = ()
+    own_contracts: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS
@@ -165,6 +169,10 @@ class KernelSpec(abc.ABC, Generic[P]):
 
     def care(self, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
         """Direction -> mask of elements that count (False: don't-care padding)."""
+        return {}
+
+    def own_contract_elements(self, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Direction -> mask of the elements only ``own_contracts`` fix."""
         return {}
 
     def index_names(self, direction: str) -> tuple[str, ...] | None:

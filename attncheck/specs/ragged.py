@@ -277,8 +277,10 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         compact_layout=lambda p: p.layout == "compact",
         explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p))
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
+    own_contracts = ("output rows of tokens that belong to no sequence (past cu_q_lens[num_seqs]) are zeros (this "
+                     "kernel's promise, not the convention's: another implementation may leave them undefined)",)
     contracts = (
-        "output rows of tokens that belong to no sequence (past cu_q_lens[num_seqs]) are zeros",
+        *own_contracts,
         "an explicit mask_value must underflow like the default (the docstring: a larger one is block-size "
         "dependent); unused pages, page tails and padding tokens hold NaN and must not leak")
 
@@ -378,6 +380,10 @@ class RaggedSpec(KernelSpec[RaggedParams]):
 
     def output_dtypes(self, case):
         return {"out": S.dtype_of(case.params.dtype)}
+
+    def own_contract_elements(self, case, inputs):
+        tokens = np.arange(case.params.shapes.max_tokens)
+        return {"out": (tokens >= inputs["cu_q_lens"][inputs["num_seqs"][0]])[:, None, None]}
 
     def index_names(self, direction):
         return ("token", "q_head", "dim")
