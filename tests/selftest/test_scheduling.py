@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 import textwrap
 import types
@@ -12,6 +13,9 @@ import types
 import pytest
 
 from attncheck import scheduling
+from tests.selftest import toy_spec
+
+pytest_plugins = ("pytester",)
 
 
 def _item(nodeid: str, fail_fast: bool = False, lead: bool = False, family: str | None = None):
@@ -166,3 +170,27 @@ def test_coverage_shares_split_the_examples_into_small_contiguous_tests_without_
     assert [c for share in shares for c in share] == cases  # each example once, in order
     assert all(len(share) <= coverage.EXAMPLES_PER_TEST for share in shares)
     assert len(shares) == max(1, -(-examples // coverage.EXAMPLES_PER_TEST))
+
+
+def test_a_gate_run_collects_the_changed_family_first(pytester, monkeypatch):
+    """Two toy families of one implementation; the forward one verifies a user's
+    implementation, which kernel_sources.json has no record of: it is new code, and all its
+    tests come first. With every implementation recorded as it is, nothing moves."""
+    toy_spec.setup_gate_dir(pytester, monkeypatch)
+    user = "tests.selftest.chaos:accepts_invalid_inputs"
+    args = ("--collect-only", "-q", "--attncheck-spec=tests.selftest.toy_forward_spec",
+            f"--attncheck-impl=toy_forward={user}", "--attncheck-durations=durations.json")
+    scheduling.write(pytester.path / "durations.json", {})
+
+    def families(recorded: list[str]) -> list[str]:
+        scheduling.write_sources(pytester.path / scheduling.SOURCES_FILE, recorded)
+        result = toy_spec.run_gate(pytester, "rep", *args)
+        ids = [line for line in result.outlines if "test_kernel_matches_oracle[" in line]
+        assert ids, result.stdout.str()
+        return [re.search(r"\[(toy_\w+?)-", line)[1] for line in ids]
+
+    defaults = list(toy_spec.SPEC.default_impls.values())
+    first = families(defaults)
+    assert first == sorted(first, key=lambda family: family != "toy_forward") and first[0] == "toy_forward", first
+    order = families([*defaults, user])
+    assert order != sorted(order, key=lambda family: family != "toy_forward"), order
