@@ -218,6 +218,9 @@ class FlashSpec(KernelSpec[FlashParams]):
         segments_vary_across_tiles=segments_vary_across_tiles,
         causal_wide_q=lambda p: p.causal and q_tiles_wider_than_kv_tiles(p),
         causal_bias_skipped_blocks=lambda p: p.bias and causal_skips_in_every_pass(p),
+        # Declared before the per-pass classes, so that the coverage search's one example of
+        # every tiling nested at once also covers each of them: one 512-long case, not four.
+        causal_nested_every_pass=lambda p: p.causal and len(nested_tilings(p)) == len(NESTED_TILINGS),
         **{f"causal_nested_{a}": (lambda p, a=a: p.causal and a in nested_tilings(p)) for a in NESTED_TILINGS},
         # The contracts of the kernel's docstring, each where it can be observed.
         causal_absent_rows_skip_blocks=causal_absent_rows_skip_blocks,

@@ -85,6 +85,9 @@ def test_a_nested_tiling_needs_the_diagonal_past_the_first_minor_block_of_a_late
     assert "dq_kv" not in flash.nested_tilings(flash_case(384, 512, **blocks))
     assert "dq_kv" not in flash.nested_tilings(flash_case(512, 512, block_k_major_dq=512, block_k_dq=128))
     assert "dq_kv" not in flash.nested_tilings(flash_case(512, 512, block_k_major_dq=256, block_k_dq=256))
+    every_pass = next(c.applies for c in flash.SPEC.bug_classes if c.name == "causal_nested_every_pass")
+    assert not every_pass(flash_case(512, 512, **blocks))
+    assert every_pass(flash_case(512, 512, block_k_major=256, block_q_major_dkv=256, block_k_major_dkv=256, **blocks))
 
 
 def test_segments_vary_across_tiles_in_every_pass():
