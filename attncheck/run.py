@@ -142,9 +142,11 @@ class GateRun:
         """A warning of the run's setup, shown in pytest's warnings summary."""
         self.config.issue_config_time_warning(pytest.PytestConfigWarning(f"attncheck: {message}"), stacklevel=2)
 
+    def _durations_path(self) -> pathlib.Path:
+        return self.config.rootpath / (self.config.getoption("attncheck_durations") or str(scheduling.DEFAULT_FILE))
+
     def _load_durations(self) -> dict[str, float]:
-        chosen = self.config.getoption("attncheck_durations") or str(scheduling.DEFAULT_FILE)
-        path = self.config.rootpath / chosen
+        path = self._durations_path()
         try:
             return scheduling.load(path)
         except (OSError, ValueError) as exc:
@@ -153,8 +155,7 @@ class GateRun:
             return {}
 
     def _changed_families(self) -> frozenset[str]:
-        path = scheduling.sources_path(self.config.rootpath / (self.config.getoption("attncheck_durations")
-                                                               or str(scheduling.DEFAULT_FILE)))
+        path = scheduling.sources_path(self._durations_path())
         refs: dict[str, set[str]] = collections.defaultdict(set)
         for test in selection.gate_tests(self.options):
             refs[test.spec.name].add(test.impl_ref)
