@@ -35,14 +35,13 @@ HAZARD_VARIANTS = (
     dict(detect_races=True, num_cores_or_threads=2, random_seed=7, dma_execution_mode="on_wait"),
 )
 
-# The hazard checks run on at most this many simulated devices. With 8 devices the
-# interpreter's per-device callbacks (barriers, per-core threads) can starve XLA's CPU
-# thread pool on a 2-core runner: with two simulated cores 7 of 8 devices waited forever at
-# the first collective-permute (six full runs hung, one a fresh clone without any cache);
-# with one core the process aborted in the same place (two of two full runs once the
-# coverage tests were split, while the case passes alone). Neither is interruptible by the
-# per-test timeout. Rings of 8 are still verified on the plain interpret backend and on
-# XLA; hazards (races, DMA order) are per-device properties that 2 and 4 devices exercise.
+# The hazard checks run on at most this many simulated devices, for time: a ring case on 8
+# devices takes about 50 s here with the race detector and two simulated cores. (The cap
+# was first set because 8 devices deadlocked on a 2-core runner; that was XLA running a
+# collective and an interpreted kernel in different orders on different devices, which
+# interpret_compat.ordered_collectives now prevents.) Rings of 8 are still verified on the
+# plain interpret backend and on XLA; hazards (races, DMA order) are per-device
+# properties that 2 and 4 devices exercise.
 MAX_HAZARD_DEVICES = 4
 
 
@@ -98,6 +97,7 @@ class Backend:
         if settings:
             try:
                 with interpret_compat.emulated_tpu(self.tpu_device_kind), interpret_compat.ref_views(), \
+                        interpret_compat.ordered_collectives(), \
                         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):
                     yield
             except BaseException:

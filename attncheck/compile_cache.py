@@ -25,12 +25,12 @@ so an entry carries no Python state of the process that wrote it
 
 It was opt-in for a while: on a warm cache the 8-device ring flash case of the
 interpret-hazards backend deadlocked in five of five full runs. That deadlock was not the
-cache's (a fresh clone without one hung once too): two simulated cores on 8 devices starve
-XLA's CPU thread pool, and interpret-hazards now runs at most 4 devices
-(``attncheck/backends.py``); the cache only made it likely by changing the interpreter's
-timing. Since that fix, the ring flash family on interpret-hazards passed twice on a
-warm cache (2026-12-01); ``benchmarks/gate_bench.py --soak N`` re-measures the whole gate:
-N consecutive warm full gates, each with a stack dump of every process if it hangs.
+cache's (a fresh clone without one hung once too): XLA ran a collective and an
+interpreted kernel in different orders on different devices, which
+``interpret_compat.ordered_collectives`` now prevents. The cache only made it likely by
+changing the timing.
+``benchmarks/gate_bench.py --soak N`` re-measures the whole gate: N consecutive warm full
+gates, each with a stack dump of every process if it hangs.
 """
 
 from __future__ import annotations

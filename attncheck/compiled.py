@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from attncheck import interpret_compat
+
 _COMPILED: dict[Hashable, Callable] = {}
 
 
@@ -49,7 +51,7 @@ def compiled(key: Hashable, build: Callable[[], Callable]) -> Callable:
     backend a case runs under are part of jit's own cache key)."""
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = jax.jit(build())
+        fn = _COMPILED[key] = jax.jit(interpret_compat.in_collective_order(build()))
     return fn
 
 
