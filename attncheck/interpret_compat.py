@@ -19,7 +19,7 @@ Each piece is scoped to a ``with`` block that leaves jax exactly as it found it 
   of every transform: ``AttributeError: 'ReshapeTransform' object has no attribute
   'indices'``); see ``_view_get``/``_view_swap`` for the exact semantics. It also splits the
   masked stores the interpreter misjudges as out of bounds (``_masked_swap``).
-- ``ordered_collectives()`` (entered by ``Backend.context``) with ``in_collective_order(fn)``
+- ``ordered_collectives()`` (entered by ``Backend.context`` for a case on several devices) with ``in_collective_order(fn)``
   (applied by ``compiled.compiled``): on several simulated devices, every collective runs
   in program order with the interpreted kernels, the same on every device; without it a
   ring deadlocks now and then (see ``ordered_collectives``).
