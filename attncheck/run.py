@@ -154,7 +154,7 @@ class GateRun:
             self._warn(f"--attncheck-durations: ignoring {path}: {exc}")
             return {}
 
-    def _changed_families(self) -> frozenset[str]:
+    def _changed_families(self) -> dict[str, int]:
         path = scheduling.sources_path(self._durations_path())
         refs: dict[str, set[str]] = collections.defaultdict(set)
         for test in selection.gate_tests(self.options):
@@ -163,7 +163,7 @@ class GateRun:
             return scheduling.changed_families(refs, scheduling.load_sources(path))
         except (ImportError, OSError, TypeError, ValueError) as exc:  # like the durations: speed only
             self._warn(f"ignoring {path}: {exc}")
-            return frozenset()
+            return {}
 
     def _take_the_report_directory(self) -> None:
         from attncheck.report import model, render

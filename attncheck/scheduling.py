@@ -1,5 +1,5 @@
 """Test order from measured durations: the tests of changed kernels first, fail-fast tests
-first, then longest first; and the split of a run into shards balanced by the same durations.
+first and shortest first, then the rest longest first; and the split of a run into shards balanced by the same durations.
 
 The gate's tests differ in cost by two orders of magnitude (one kernel family on one
 backend takes a minute, an invalid-input check a millisecond). xdist hands tests out in
@@ -10,8 +10,9 @@ one test at a time (``--maxschedchunk 1``) makes the tail of the run short tests
 A pull request that changes a kernel is most likely to break that kernel's family: the
 families whose implementation sources differ from those the durations were recorded with
 (``tests/kernel_sources.json``, written with them by ``attncheck durations update``) run
-all their tests first, so ``pytest -x`` names a bug in the changed kernel before it spends
-a minute on the families the change cannot reach.
+all their tests first, the family whose own module changed before those built on it, so
+``pytest -x`` names a bug in the changed kernel before it spends a minute on the families
+the change cannot reach.
 
 Order changes only speed, never verdicts: the gate's tests are order-independent (the CI
 profile draws every case from a fixed seed).
@@ -61,16 +62,17 @@ def _typical(items: list, durations: dict[str, float], *, fail_fast: bool) -> fl
     return statistics.median(known) if known else 0.0
 
 
-def run_order(items: list, durations: dict[str, float], changed: frozenset[str] = frozenset()) -> list:
-    """The families in ``changed`` (``changed_families``) first, all their tests, then the
-    others; within each part, fail-fast tests (the families' coverage examples) first: under
-    ``pytest -x`` the time to the first failure is what counts. Each family's lead test
-    (``lead=True``: its simplest classes, where most bugs show) runs first, shortest first;
-    then the other fail-fast tests longest first, which keeps the end of the fail-fast
-    phase, the worst time to name a bug that only a later example shows, near its total
-    over the workers. Simulated on recorded durations with 2 workers: the phase ends at
-    56.5 s, against 62.3 s shortest first throughout, and a family's first verdict comes at
-    7.8 s on average, against 10.0 s.
+def run_order(items: list, durations: dict[str, float], changed: Mapping[str, int] | None = None) -> list:
+    """The families in ``changed`` (``changed_families``: family -> rank) first, all their
+    tests, those whose own kernel module changed (rank 0) before those that only use a
+    changed module (rank 1), then the others; within each part, fail-fast tests (the
+    families' coverage examples) first: under ``pytest -x`` the time to the first failure
+    is what counts. Each family's lead test (``lead=True``: its simplest classes, where
+    most bugs show) runs first, then the other fail-fast tests, each kind shortest first:
+    a bug shows when the test holding the example that exposes it ends, and with tests of
+    a few examples each, shortest first ends the most examples soonest. Longest first, as
+    before, made a cheap coverage test of a ring kernel wait behind the 8-device ring flash
+    examples: kills at 35-42 s, where the cheap test itself takes 1 s.
 
     A fail-fast test with no record yet counts as the median of those that have one: they
     are alike in size (a few examples each), and a renumbered coverage split must not
@@ -78,15 +80,16 @@ def run_order(items: list, durations: dict[str, float], changed: frozenset[str] 
     longest first, so that the tail of the run is short tests only; one with no record
     counts as longest (it may be long, and a long test must not be the one left at the
     end). Stable, so equal keys keep collection order."""
+    changed = changed or {}
     typical_fail_fast = _typical(items, durations, fail_fast=True)
+    unchanged = 1 + max(changed.values(), default=0)
 
     def key(item):
-        first = 0 if _family(item) in changed else 3
+        part = changed.get(_family(item), unchanged)
         marker = _fail_fast(item)
         if marker is None:
-            return (first + 2, -durations.get(item.nodeid, math.inf))
-        seconds = durations.get(item.nodeid, typical_fail_fast)
-        return (first, seconds) if marker.kwargs.get("lead") else (first + 1, -seconds)
+            return (part, 2, -durations.get(item.nodeid, math.inf))
+        return (part, 0 if marker.kwargs.get("lead") else 1, durations.get(item.nodeid, typical_fail_fast))
 
     return sorted(items, key=key)
 
@@ -97,11 +100,11 @@ def _family(item) -> str:
 
 
 # ------------------------------------------------------------------ changed kernels
-def source_digest(impl_ref: str) -> str:
-    """A hash of the source an implementation ("module:function") runs: its module and the
-    modules it uses from its own directory and below (a ring kernel built on the flash
-    kernel beside it changes when that one does). Modules elsewhere (jax, numpy) are the
-    environment's, pinned by the lock file."""
+def modules_used(impl_ref: str) -> dict[str, pathlib.Path]:
+    """The source an implementation ("module:function") runs: module name -> file, for its
+    module and the modules it uses from its own directory and below (a ring kernel built on
+    the flash kernel beside it changes when that one does). Modules elsewhere (jax, numpy)
+    are the environment's, pinned by the lock file."""
     module = importlib.import_module(impl_ref.partition(":")[0])
     root = pathlib.Path(inspect.getfile(module)).resolve().parent
     seen: dict[str, pathlib.Path] = {}
@@ -119,43 +122,73 @@ def source_digest(impl_ref: str) -> str:
             used = value if inspect.ismodule(value) else sys.modules.get(getattr(value, "__module__", None) or "")
             if used is not None and used.__name__ not in seen:
                 pending.append(used)
-    digest = hashlib.sha256()
-    for name in sorted(seen):
-        digest.update(name.encode() + b"\0" + seen[name].read_bytes())
-    return digest.hexdigest()[:20]
+    return seen
+
+
+def _file_digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:20]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """What the durations were recorded with (``kernel_sources.json``): the implementations
+    and a digest of every module they run."""
+
+    implementations: frozenset[str]
+    modules: Mapping[str, str]  # module name -> digest of its file
 
 
 def sources_path(durations_path: pathlib.Path) -> pathlib.Path:
     return durations_path.with_name(SOURCES_FILE)
 
 
-def load_sources(path: pathlib.Path) -> dict[str, str]:
-    """impl ref -> source digest when the durations were recorded; empty when absent."""
+def load_sources(path: pathlib.Path) -> Sources:
+    """The recorded sources; none when the file is absent."""
     if not path.is_file():
-        return {}
+        return Sources(frozenset(), {})
     data = json.loads(path.read_text())
-    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-        raise ValueError(f"{path}: expected a JSON object of implementation reference -> source digest")
-    return data
+    if not (isinstance(data, dict) and set(data) == {"implementations", "modules"}
+            and isinstance(data["implementations"], list) and all(isinstance(r, str) for r in data["implementations"])
+            and isinstance(data["modules"], dict) and all(isinstance(v, str) for v in data["modules"].values())):
+        raise ValueError(f"{path}: expected a JSON object with \"implementations\" (a list of implementation "
+                         "references) and \"modules\" (module name -> source digest); rewrite it with "
+                         "`attncheck durations update`")
+    return Sources(frozenset(data["implementations"]), data["modules"])
 
 
 def write_sources(path: pathlib.Path, impl_refs: Iterable[str]) -> int:
-    """Record the current source digest of each implementation. Returns how many."""
-    digests = {ref: source_digest(ref) for ref in sorted(set(impl_refs))}
+    """Record the implementations and the current digest of every module they run.
+    Returns how many implementations."""
+    refs = sorted(set(impl_refs))
+    modules = {name: _file_digest(file) for ref in refs for name, file in modules_used(ref).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(digests, indent=0) + "\n")
-    return len(digests)
+    path.write_text(json.dumps({"implementations": refs, "modules": dict(sorted(modules.items()))}, indent=0) + "\n")
+    return len(refs)
 
 
-def changed_families(impl_refs: Mapping[str, Iterable[str]], recorded: Mapping[str, str]) -> frozenset[str]:
-    """The families (name -> the impl refs this run tests) with an implementation whose
-    source differs from the recorded one, or that has no record: a new implementation (a
+# How close a family is to a change: its own kernel module changed, or only a module it uses.
+OWN_MODULE_CHANGED, USED_MODULE_CHANGED = 0, 1
+
+
+def changed_families(impl_refs: Mapping[str, Iterable[str]], recorded: Sources) -> dict[str, int]:
+    """family -> ``OWN_MODULE_CHANGED`` or ``USED_MODULE_CHANGED``, for the families (name
+    -> the impl refs this run tests) whose code differs from the recorded: the family of a
+    changed flash kernel runs before the ring kernels built on it. A new implementation (a
     user's ``--attncheck-impl``) is changed code too. With nothing recorded at all, nothing
     is known to have changed and nothing moves."""
-    if not recorded:
-        return frozenset()
-    return frozenset(family for family, refs in impl_refs.items()
-                     if any(recorded.get(ref) != source_digest(ref) for ref in refs))
+    if not recorded.implementations:
+        return {}
+
+    def rank(ref: str) -> int | None:
+        own = ref.partition(":")[0]
+        used = modules_used(ref)
+        changed = {name for name, file in used.items() if recorded.modules.get(name) != _file_digest(file)}
+        if ref not in recorded.implementations or own in changed:
+            return OWN_MODULE_CHANGED
+        return USED_MODULE_CHANGED if changed else None
+
+    ranks = {family: [r for r in map(rank, refs) if r is not None] for family, refs in impl_refs.items()}
+    return {family: min(found) for family, found in ranks.items() if found}
 
 
 def write(path: pathlib.Path, durations: dict[str, float]) -> None:

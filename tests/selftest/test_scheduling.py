@@ -24,14 +24,14 @@ def _item(nodeid: str, fail_fast: bool = False, lead: bool = False, family: str 
     return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=markers.get)
 
 
-def test_lead_fail_fast_shortest_first_other_fail_fast_longest_first_then_the_rest_longest_first():
+def test_lead_fail_fast_then_other_fail_fast_each_shortest_first_then_the_rest_longest_first():
     items = [_item("short"), _item("long"), _item("new"), _item("slow-lead", fail_fast=True, lead=True),
              _item("medium"), _item("lead", fail_fast=True, lead=True), _item("same-as-medium"),
              _item("small-later", fail_fast=True), _item("big-later", fail_fast=True)]
     durations = {"short": 0.1, "long": 60.0, "medium": 5.0, "same-as-medium": 5.0, "lead": 2.0,
                  "slow-lead": 9.0, "small-later": 1.0, "big-later": 7.0}
     order = [i.nodeid for i in scheduling.run_order(items, durations)]
-    assert order == ["lead", "slow-lead", "big-later", "small-later", "new", "long", "medium", "same-as-medium",
+    assert order == ["lead", "slow-lead", "small-later", "big-later", "new", "long", "medium", "same-as-medium",
                      "short"]
 
 
@@ -49,16 +49,19 @@ def test_without_durations_the_collection_order_stays_apart_from_fail_fast(tmp_p
     assert [i.nodeid for i in scheduling.run_order(items, durations)] == ["a", "b", "c"]
 
 
-def test_a_changed_family_runs_all_its_tests_first_in_the_usual_order():
+def test_a_changed_family_runs_all_its_tests_first_its_own_module_before_a_module_it_uses():
     items = [_item("other-lead", fail_fast=True, lead=True, family="other"), _item("selftest"),
              _item("other-drawn", family="other"), _item("changed-drawn", family="changed"),
              _item("changed-later", fail_fast=True, family="changed"),
+             _item("user-lead", fail_fast=True, lead=True, family="user"),
              _item("changed-lead", fail_fast=True, lead=True, family="changed")]
     durations = {"other-lead": 1.0, "selftest": 0.1, "other-drawn": 30.0, "changed-drawn": 90.0,
-                 "changed-later": 9.0, "changed-lead": 20.0}
-    order = [i.nodeid for i in scheduling.run_order(items, durations, frozenset({"changed"}))]
-    assert order == ["changed-lead", "changed-later", "changed-drawn", "other-lead", "other-drawn", "selftest"]
-    assert [i.nodeid for i in scheduling.run_order(items, durations)][:2] == ["other-lead", "changed-lead"]
+                 "changed-later": 9.0, "changed-lead": 20.0, "user-lead": 0.5}
+    changed = {"changed": scheduling.OWN_MODULE_CHANGED, "user": scheduling.USED_MODULE_CHANGED}
+    order = [i.nodeid for i in scheduling.run_order(items, durations, changed)]
+    assert order == ["changed-lead", "changed-later", "changed-drawn", "user-lead", "other-lead", "other-drawn",
+                     "selftest"]
+    assert [i.nodeid for i in scheduling.run_order(items, durations)][:3] == ["user-lead", "other-lead", "changed-lead"]
 
 
 @pytest.fixture
@@ -90,9 +93,11 @@ def test_a_family_changes_with_its_kernel_or_a_kernel_it_uses_or_a_new_implement
     recorded_path = tmp_path / "kernel_sources.json"
     assert scheduling.write_sources(recorded_path, [ref for refs_of in refs.values() for ref in refs_of]) == 3
     recorded = scheduling.load_sources(recorded_path)
-    assert scheduling.changed_families(refs, recorded) == frozenset()
-    without_ring = {ref: digest for ref, digest in recorded.items() if ref != "kernels_under_test.ring:ring"}
-    assert scheduling.changed_families(refs, without_ring) == {"ring"}  # new: never recorded
+    assert set(recorded.modules) == {"kernels_under_test.flash", "kernels_under_test.ring", "kernels_under_test.ffn"}
+    assert scheduling.changed_families(refs, recorded) == {}
+    without_ring = scheduling.Sources(recorded.implementations - {"kernels_under_test.ring:ring"}, recorded.modules)
+    # New (never recorded), though its module and the module it uses are unchanged.
+    assert scheduling.changed_families(refs, without_ring) == {"ring": scheduling.OWN_MODULE_CHANGED}
     (kernel_package / "flash.py").write_text(textwrap.dedent("""\
         import numpy as np
 
@@ -100,14 +105,15 @@ def test_a_family_changes_with_its_kernel_or_a_kernel_it_uses_or_a_new_implement
             return np.exp(q - 1)
         """))
     _reload_all()
-    assert scheduling.changed_families(refs, recorded) == {"flash", "ring"}
-    assert scheduling.changed_families(refs, {}) == frozenset()
+    assert scheduling.changed_families(refs, recorded) == {"flash": scheduling.OWN_MODULE_CHANGED,
+                                                           "ring": scheduling.USED_MODULE_CHANGED}
+    assert scheduling.changed_families(refs, scheduling.Sources(frozenset(), {})) == {}
 
 
 def test_a_malformed_sources_file_is_named(tmp_path):
     bad = tmp_path / "kernel_sources.json"
-    bad.write_text('{"kernels.flash:flash": 3}')
-    with pytest.raises(ValueError, match=r"kernel_sources.json: expected a JSON object of implementation reference"):
+    bad.write_text('{"kernels.flash:flash": "0123"}')  # the layout before modules were recorded one by one
+    with pytest.raises(ValueError, match=r"kernel_sources.json: expected a JSON object with \"implementations\""):
         scheduling.load_sources(bad)
 
 
