@@ -64,15 +64,17 @@ def _typical(items: list, durations: dict[str, float], *, fail_fast: bool) -> fl
 
 def run_order(items: list, durations: dict[str, float], changed: Mapping[str, int] | None = None) -> list:
     """The families in ``changed`` (``changed_families``: family -> rank) first, all their
-    tests, those whose own kernel module changed (rank 0) before those that only use a
-    changed module (rank 1), then the others; within each part, fail-fast tests (the
-    families' coverage examples) first: under ``pytest -x`` the time to the first failure
-    is what counts. Each family's lead test (``lead=True``: its simplest classes, where
-    most bugs show) runs first, then the other fail-fast tests, each kind shortest first:
-    a bug shows when the test holding the example that exposes it ends, and with tests of
-    a few examples each, shortest first ends the most examples soonest. Longest first, as
-    before, made a cheap coverage test of a ring kernel wait behind the 8-device ring flash
-    examples: kills at 35-42 s, where the cheap test itself takes 1 s.
+    tests, then the others; within each part, fail-fast tests (the families' coverage
+    examples) first: under ``pytest -x`` the time to the first failure is what counts.
+    Among the changed families' tests of one kind, those whose own kernel module changed
+    (rank 0) come before those that only use a changed module (rank 1), and all their
+    fail-fast tests before any of their others: a change to the flash kernel file may break
+    only the ring kernel built on it, which must not wait behind the flash family's drawn
+    cases. Each family's lead test (``lead=True``: its simplest classes, where most bugs
+    show) runs first, then its other fail-fast tests, each kind shortest first: a bug shows
+    when the test holding the example that exposes it ends, and with tests of a few
+    examples each, shortest first ends the most examples soonest. Longest first, as before,
+    made a 1 s ring coverage test wait behind the 8-device ring flash ones (kills at 35-42 s).
 
     A fail-fast test with no record yet counts as the median of those that have one: they
     are alike in size (a few examples each), and a renumbered coverage split must not
@@ -82,14 +84,14 @@ def run_order(items: list, durations: dict[str, float], changed: Mapping[str, in
     end). Stable, so equal keys keep collection order."""
     changed = changed or {}
     typical_fail_fast = _typical(items, durations, fail_fast=True)
-    unchanged = 1 + max(changed.values(), default=0)
 
     def key(item):
-        part = changed.get(_family(item), unchanged)
+        family = _family(item)
+        part, rank = (0, changed[family]) if family in changed else (1, 0)
         marker = _fail_fast(item)
         if marker is None:
-            return (part, 2, -durations.get(item.nodeid, math.inf))
-        return (part, 0 if marker.kwargs.get("lead") else 1, durations.get(item.nodeid, typical_fail_fast))
+            return (part, 1, rank, 0, -durations.get(item.nodeid, math.inf))
+        return (part, 0, rank, 0 if marker.kwargs.get("lead") else 1, durations.get(item.nodeid, typical_fail_fast))
 
     return sorted(items, key=key)
 

@@ -49,7 +49,7 @@ def test_without_durations_the_collection_order_stays_apart_from_fail_fast(tmp_p
     assert [i.nodeid for i in scheduling.run_order(items, durations)] == ["a", "b", "c"]
 
 
-def test_a_changed_family_runs_all_its_tests_first_its_own_module_before_a_module_it_uses():
+def test_changed_families_run_first_coverage_before_drawn_own_module_before_a_module_it_uses():
     items = [_item("other-lead", fail_fast=True, lead=True, family="other"), _item("selftest"),
              _item("other-drawn", family="other"), _item("changed-drawn", family="changed"),
              _item("changed-later", fail_fast=True, family="changed"),
@@ -59,7 +59,7 @@ def test_a_changed_family_runs_all_its_tests_first_its_own_module_before_a_modul
                  "changed-later": 9.0, "changed-lead": 20.0, "user-lead": 0.5}
     changed = {"changed": scheduling.OWN_MODULE_CHANGED, "user": scheduling.USED_MODULE_CHANGED}
     order = [i.nodeid for i in scheduling.run_order(items, durations, changed)]
-    assert order == ["changed-lead", "changed-later", "changed-drawn", "user-lead", "other-lead", "other-drawn",
+    assert order == ["changed-lead", "changed-later", "user-lead", "changed-drawn", "other-lead", "other-drawn",
                      "selftest"]
     assert [i.nodeid for i in scheduling.run_order(items, durations)][:3] == ["user-lead", "other-lead", "changed-lead"]
 
