@@ -1,5 +1,6 @@
 """Test order from measured durations: the tests of changed kernels first, fail-fast tests
-first and shortest first, then the rest longest first; and the split of a run into shards balanced by the same durations.
+first and shortest first, then the rest longest first; and the split of a run into shards
+balanced by the same durations.
 
 The gate's tests differ in cost by two orders of magnitude (one kernel family on one
 backend takes a minute, an invalid-input check a millisecond). xdist hands tests out in
