@@ -19,10 +19,10 @@ Each piece is scoped to a ``with`` block that leaves jax exactly as it found it 
   of every transform: ``AttributeError: 'ReshapeTransform' object has no attribute
   'indices'``); see ``_view_get``/``_view_swap`` for the exact semantics. It also splits the
   masked stores the interpreter misjudges as out of bounds (``_masked_swap``).
-- ``ordered_collectives()`` (entered by ``Backend.context`` for a case on several devices) with ``in_collective_order(fn)``
-  (applied by ``compiled.compiled``): on several simulated devices, every collective runs
-  in program order with the interpreted kernels, the same on every device; without it a
-  ring deadlocks now and then (see ``ordered_collectives``).
+- ``ordered_collectives()`` (entered by ``Backend.context`` for a case on several devices)
+  with ``in_collective_order(fn)`` (applied by ``compiled.compiled``): every collective
+  runs in program order with the interpreted kernels, the same on every device; without
+  it a ring deadlocks now and then (see ``ordered_collectives``).
 - ``interpreter_limitation(exc)``, ``callback_error_line(exc)``: a known interpreter
   limitation (``KNOWN_LIMITATIONS``), or an error raised inside an interpreter callback,
   named in one line, so a kernel that interpret mode cannot run is reported as such, not as

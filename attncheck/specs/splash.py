@@ -422,36 +422,33 @@ def forward_nan_rows_reach_backward(p: SplashParams) -> bool:
                for name, (q_block, kv_block) in blocks.items() if name != "fwd")
 
 
+def _sharded_grid_occupancies(p: SplashParams) -> list[np.ndarray]:
+    """The block occupancy of each pass whose grid make_splash_mha shrinks per q sequence
+    shard: with q_seq_shards > 1 and one mask for every head, the forward and dq passes and
+    the unfused dkv pass; none otherwise."""
+    if p.q_seq_shards == 1 or len(set(p.masks)) != 1:
+        return []
+    mask = head_masks(p)[0]
+    return [occupancy(mask, *blocks) for name, blocks in pass_blocks(p).items() if name != "dkv" or not p.fused_bwd]
+
+
 def q_seq_shards_without_partial_blocks(p: SplashParams) -> bool:
     """Kernel finding (jax 0.12.0.1): one mask for every head with no partial block at a
     pass's block size (a FullMask), and q_seq_shards > 1: make_splash_mha fails in its mask
     processing (``np.concatenate`` of no mask_next shards: "need at least one array to
-    concatenate") when it shrinks the grid, in the forward and dq passes and the unfused
-    dkv pass. Such cases are not drawn; tests/gate/test_splash_findings.py keeps one as a
-    strict xfail."""
-    if p.q_seq_shards == 1 or len(set(p.masks)) != 1:
-        return False
-    mask = head_masks(p)[0]
-    return any(not (occupancy(mask, *blocks) == 1).any() for name, blocks in pass_blocks(p).items()
-               if name != "dkv" or not p.fused_bwd)
+    concatenate") when it shrinks the grid (``_sharded_grid_occupancies``). Such cases are
+    not drawn; tests/gate/test_splash_findings.py keeps one as a strict xfail."""
+    return any(not (blocks == 1).any() for blocks in _sharded_grid_occupancies(p))
 
 
 def q_seq_shard_without_keys(p: SplashParams) -> bool:
     """Kernel finding (jax 0.12.0.1): one mask for every head, q_seq_shards > 1, and a q
     shard none of whose queries sees a key at a pass's block size (bottom-right causal with
     q_len > kv_len): make_splash_mha's mask processing shrinks that shard's block mask to
-    nothing and stops at a bare ``assert current_block_mask.size > 0``, in the passes of
-    ``q_seq_shards_without_partial_blocks``. Such cases are not drawn;
-    tests/gate/test_splash_findings.py keeps one as a strict xfail."""
-    if p.q_seq_shards == 1 or len(set(p.masks)) != 1:
-        return False
-    mask = head_masks(p)[0]
-    for name, blocks in pass_blocks(p).items():
-        if name != "dkv" or not p.fused_bwd:
-            shards = occupancy(mask, *blocks).reshape(p.q_seq_shards, -1)
-            if (shards == 0).all(axis=-1).any():
-                return True
-    return False
+    nothing and stops at a bare ``assert current_block_mask.size > 0``. Such cases are not
+    drawn; tests/gate/test_splash_findings.py keeps one as a strict xfail."""
+    return any((blocks.reshape(p.q_seq_shards, -1) == 0).all(axis=-1).any()
+               for blocks in _sharded_grid_occupancies(p))
 
 
 # Conditions under which jax's kernel is known to be wrong: not drawn, pinned as strict xfails.
