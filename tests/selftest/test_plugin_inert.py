@@ -15,12 +15,19 @@ import sys
 
 import pytest
 
+from attncheck import run
+
 PROBE = '''
-import json, os, pathlib
+import atexit, gc, json, os, pathlib
 import pytest
 from hypothesis import settings
 
 SEEN = {}
+GC_BEFORE = gc.get_threshold()  # this conftest is loaded before any plugin configures
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    # After every hook of the session: what the process is left with.
+    atexit.register(lambda: pathlib.Path(os.environ["PROBE_OUT"] + ".exit").write_text(
+        json.dumps({"before": GC_BEFORE, "after": gc.get_threshold()})))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +45,7 @@ def pytest_sessionfinish(session):
         xmlpath=getattr(session.config.option, "xmlpath", None),
         maxschedchunk=getattr(session.config.option, "maxschedchunk", None),
         timeout=getattr(session.config.option, "timeout", None),
+        gc_threshold=gc.get_threshold(),
         plugin_registered=session.config.pluginmanager.has_plugin("attncheck-run"))
     pathlib.Path(os.environ["PROBE_OUT"]).write_text(json.dumps(SEEN))
 '''
@@ -78,7 +86,8 @@ def test_a_session_that_does_not_ask_for_attncheck_sees_no_attncheck_effect(tmp_
                                         "test_unrelated.py::test_c"]
     assert not with_plugin["plugin_registered"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conftest.py", "test_unrelated.py", "with.json",
-                                                          "without.json"]  # no reports/, no cache
+                                                          "with.json.exit", "without.json",
+                                                          "without.json.exit"]  # no reports/, no cache
 
 
 def test_asking_for_attncheck_is_what_activates_it(tmp_path):
@@ -96,6 +105,10 @@ def test_asking_for_attncheck_is_what_activates_it(tmp_path):
     assert seen["plugin_registered"] and seen["env"]["JAX_PLATFORMS"] == "cpu"
     assert "--xla_force_host_platform_device_count=8" in seen["env"]["XLA_FLAGS"]
     assert seen["profile"] == "dev" and seen["xmlpath"].endswith("rep/junit.xml")
+    # The run collects garbage less often while it runs, and gives the process its own back.
+    assert seen["gc_threshold"] == list(run.GC_THRESHOLDS)
+    thresholds = json.loads((tmp_path / "active.json.exit").read_text())
+    assert thresholds["after"] == thresholds["before"] != list(run.GC_THRESHOLDS), thresholds
     # No gate test was collected: the run verified nothing, and says so.
     assert proc.returncode != 0 and "attncheck: NO CASES" in proc.stdout, proc.stdout
     assert (tmp_path / "rep" / "report.md").read_text().startswith("# attncheck: NO CASES")
