@@ -116,6 +116,42 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
     assert {r["worker"] for r in reports["2"]["records"]} == {"gw0", "gw1"}
 
 
+# In every process of a run: which ran the exit handlers registered at its start (as jax's
+# are), and how many objects it had frozen before the session finished and after.
+EXIT_PROBE = """
+import atexit, gc, os, pathlib
+import pytest
+
+NAME = os.environ.get("PYTEST_XDIST_WORKER", "main")
+atexit.register(lambda: pathlib.Path(f"exit-handlers-ran-{NAME}").touch())
+FROZEN = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    FROZEN.append(gc.get_freeze_count())
+
+
+def pytest_unconfigure(config):
+    pathlib.Path(f"frozen-{NAME}").write_text(" ".join(map(str, [*FROZEN, gc.get_freeze_count()])))
+"""
+
+
+def test_a_worker_ends_without_tearing_down_jax_once_its_records_are_written(gate_dir, validator):
+    """The controller waits for its workers to end before it writes the report; a gate
+    worker's teardown (pytest's collections, jax's exit handlers) took 4-8 s."""
+    (gate_dir / "exit_probe.py").write_text(EXIT_PROBE)
+    proc = toy_spec.start_gate(gate_dir, "rep", "-n", "2", "-p", "exit_probe")
+    output = proc.communicate(timeout=toy_spec.RUN_TIMEOUT_S)[0]
+    assert proc.returncode == 0 and f"{DEFAULT_TESTS} passed" in output, output
+    report = check_report(gate_dir / "rep", validator)
+    assert report["complete"] is True and {r["worker"] for r in report["records"]} == {"gw0", "gw1"}
+    assert sorted(p.name for p in gate_dir.glob("exit-handlers-ran-*")) == ["exit-handlers-ran-main"]
+    for worker in ("gw0", "gw1"):
+        before, after = map(int, (gate_dir / f"frozen-{worker}").read_text().split())
+        assert after > before, (worker, before, after)
+
+
 def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_dir, pytester, validator):
     result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
