@@ -353,12 +353,10 @@ class GateRun:
 
     def pytest_sessionfinish(self, session, exitstatus):
         if self.is_worker:
-            # Its tests are done and its records written. What follows only frees memory
-            # while the controller waits for the worker to end before it writes the report:
-            # pytest's two collections looking for unraisable exceptions and jax's teardown
-            # of every executable took 4-8 s over the 2 million objects a gate worker holds.
-            # Frozen objects are not collected, and the worker ends at its first exit
-            # handler (``_end_worker``).
+            # Its records are written; the controller now waits for it to end. pytest's
+            # unconfigure collects twice more (looking for unraisable exceptions) over the
+            # 2 million objects a gate worker holds: frozen, they are not scanned. Then
+            # ``_end_worker`` skips jax's teardown. Together they took 4-8 s.
             gc.freeze()
             return
         from attncheck.report import merge, model, render
