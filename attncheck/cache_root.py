@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 CACHE_ENV = "ATTNCHECK_CACHE_DIR"
 DEFAULT_CACHE_DIR = ".attncheck_cache"
@@ -27,3 +28,39 @@ def subdir(name: str) -> pathlib.Path | None:
     """The directory of one cache under the root; None when caching is off."""
     root = setting()
     return None if root == DISABLED else pathlib.Path(root) / name
+
+
+# Files a cache rewrites in place: jax's access time of an entry (rewritten on every load)
+# is copied, its lock is left for the copy to create.
+_REWRITTEN_SUFFIX = "-atime"
+_LOCK_NAME = ".lockfile"
+
+
+def private_copy(dest: pathlib.Path) -> str:
+    """A copy of the cache root at ``dest``, for a run whose programs must not outlive it:
+    a mutated copy of the project compiles a bug's programs, and a later mutant's run that
+    loaded them would be timed as no new bug runs. Returns the setting that points a run at
+    the copy ("none" when caching is off).
+
+    Entries are hard links, where the filesystem allows: jax writes each new entry under a
+    new name and never rewrites one, and the coverage examples are replaced whole by a
+    rename, so nothing written in the copy reaches the root."""
+    root = setting()
+    if root == DISABLED:
+        return DISABLED
+    source = pathlib.Path(root)
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.rglob("*")) if source.is_dir() else ():
+        target = dest / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(exist_ok=True)
+        elif path.name == _LOCK_NAME:
+            continue
+        elif path.name.endswith(_REWRITTEN_SUFFIX):
+            shutil.copy2(path, target)
+        else:
+            try:
+                os.link(path, target)
+            except OSError:  # another filesystem
+                shutil.copy2(path, target)
+    return str(dest.resolve())

@@ -57,8 +57,11 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
         # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
         # change only kernels and module copies, so the copies reuse this checkout's
         # coverage examples, and its compiled executables wherever the mutant leaves the
-        # lowered program unchanged (the compilation cache is keyed by it).
-        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{cache_root.CACHE_ENV: cache_root.setting()})
+        # lowered program unchanged (the compilation cache is keyed by it); what the mutant
+        # compiles goes to a private copy of the cache and ends with it, so that each
+        # mutant's time to kill is that of a new bug on this checkout's warm cache.
+        cache = cache_root.private_copy(root / "cache")
+        env = dict(os.environ, PYTHONPATH=str(root), CI="true", **{cache_root.CACHE_ENV: cache})
         report_dir = root / "reports"
         try:
             proc = subprocess.run(gate_command(None if whole_gate else mutant.family, report_dir,

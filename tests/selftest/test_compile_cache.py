@@ -4,6 +4,7 @@ runs, off with ``none``."""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -93,3 +94,45 @@ def test_an_entry_with_a_host_callback_runs_the_callback_of_the_process_that_loa
     output, hits = run(100.0)
     # Loaded from the first process's entry, yet running this process's callback.
     assert output == "result 202.0" and "jit__lambda" in hits
+
+
+# A program whose constant is part of its lowered module: each factor is another entry.
+SCALE_PROGRAM = """
+import pathlib, sys
+import jax, jax.numpy as jnp
+from attncheck import compile_cache
+compile_cache.configure(pathlib.Path(sys.argv[1]))
+print(float(jax.jit(lambda x: x * float(sys.argv[2]))(jnp.ones(()))))
+"""
+
+
+def test_a_private_copy_loads_the_roots_entries_and_keeps_its_own(tmp_path, monkeypatch):
+    """What the mutation runner gives each mutated run: the checkout's programs load, and
+    what the run compiles or touches stays in the copy."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEBUG_LOG_MODULES="jax._src.compiler", JAX_LOGGING_LEVEL="WARNING")
+
+    def run(cache, factor: float) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", SCALE_PROGRAM, str(cache / compile_cache.SUBDIR), str(factor)],
+                              env=env, capture_output=True, text=True, timeout=120, check=True)
+        assert float(done.stdout) == factor
+        return HIT.findall(done.stderr)
+
+    def files(directory):
+        return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+    root = tmp_path / "root"
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(root))
+    assert "jit__lambda" not in run(root, 2.0)
+    (root / "coverage").mkdir()
+    (root / "coverage" / "family-key.json").write_text("[]")
+    before = files(root)
+    copy = tmp_path / "copy"
+    assert cache_root.private_copy(copy) == str(copy.resolve())
+    assert "jit__lambda" in run(copy, 2.0), "the copy should load the root's entry"
+    assert "jit__lambda" not in run(copy, 3.0)
+    # The copy holds the root's files and one more entry; the root is as it was, access
+    # times included (jax rewrote the copy's on the load).
+    assert files(root) == before
+    assert set(files(copy)) - set(before) and set(before) - {pathlib.Path("xla/.lockfile")} <= set(files(copy))
+    monkeypatch.setenv(cache_root.CACHE_ENV, cache_root.DISABLED)
+    assert cache_root.private_copy(tmp_path / "off") == cache_root.DISABLED

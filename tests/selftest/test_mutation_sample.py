@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import re
+import subprocess
 
 import pytest
 
-from attncheck import specs
+from attncheck import cache_root, specs
 from attncheck.mutation import runner
 from attncheck.mutation.catalogue import CATALOGUE
 from attncheck.mutation.mutant import CatalogueError, Mutant, apply, mutated_source
@@ -165,3 +167,25 @@ def test_the_verdict_of_a_mutant_comes_from_the_mutated_runs_report(tmp_path):
     assert runner.verdict(_mutated_run(tmp_path / "e", "FAIL"), None) == ("invalid", [])
     assert runner.verdict(_mutated_run(tmp_path / "f", "NO CASES"), None) == ("invalid", [])
     assert runner.verdict(_mutated_run(tmp_path / "g", None), None) == ("invalid", [])
+
+
+def test_a_mutated_run_compiles_into_a_private_copy_of_the_cache(tmp_path, monkeypatch):
+    """A mutant's programs end with its run: kept in the checkout's cache, they would load
+    in a later mutated run of the same kernel (the runner's copies share its sources), and
+    that run's time to kill would be a warm one, as no new bug's is."""
+    root = tmp_path / "root"
+    (root / "xla").mkdir(parents=True)
+    (root / "xla" / "gate-program-cache").write_bytes(b"compiled")
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(root))
+    seen = {}
+
+    def gate(command, *, env, **_):
+        cache = pathlib.Path(env[cache_root.CACHE_ENV])
+        seen["entries"] = sorted(p.name for p in (cache / "xla").iterdir())
+        (cache / "xla" / "mutant-program-cache").write_bytes(b"the bug's program")
+        return subprocess.CompletedProcess(command, 1, "", "")
+
+    monkeypatch.setattr(runner.subprocess, "run", gate)
+    assert runner.run_mutant(SAMPLE[0])["status"] == "invalid"  # the fake gate wrote no report
+    assert seen["entries"] == ["gate-program-cache"]
+    assert sorted(p.name for p in (root / "xla").iterdir()) == ["gate-program-cache"]
