@@ -4,8 +4,10 @@ masked-store workaround, and the one-line naming of interpreter limitations."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -241,6 +243,54 @@ def test_ref_views_restores_the_interpreter_on_exit_even_after_an_error():
     with pytest.raises(RuntimeError), ic.ref_views():
         raise RuntimeError("kernel crashed")
     assert (ipc.get, ipc.swap) == (get, swap)
+
+
+# ----------------------------------------------------------------- host callbacks
+
+
+def test_the_interpreters_callbacks_skip_device_put_and_compute_the_same(monkeypatch):
+    from jax._src import api
+
+    puts = []
+    device_put = api.device_put
+
+    def counted(*args, **kwargs):
+        puts.append(sys._getframe(1).f_code.co_name)
+        return device_put(*args, **kwargs)
+
+    # jax's io_callback_impl moves every operand onto a device with this.
+    monkeypatch.setattr(api, "device_put", counted)
+    plain = run_interpret(odd_rows_via_indexing, OUT, X, views=False)
+    assert "io_callback_impl" in puts
+    puts.clear()
+    with ic.host_callbacks():
+        fast = run_interpret(odd_rows_via_indexing, OUT, X, views=False)
+    assert "io_callback_impl" not in puts
+    np.testing.assert_array_equal(fast, plain)
+    np.testing.assert_array_equal(fast, X.reshape(16, 128)[1::2] * 2.0)
+
+
+def test_any_other_io_callback_runs_as_jax_runs_it_and_the_block_restores_jax():
+    from jax._src import callback as jax_callback
+
+    seen = []
+
+    def host(x):
+        seen.append(type(x))
+        return np.asarray(x) + 1
+
+    f = jax.jit(lambda x: jax.experimental.io_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32), x))
+    original = jax_callback.io_callback_impl
+    with ic.host_callbacks():
+        with ic.host_callbacks():
+            assert jax_callback.io_callback_impl is not original
+        np.testing.assert_array_equal(f(np.zeros(3, np.float32)), np.ones(3))
+        assert jax_callback.io_callback_impl is not original  # the outer block still holds it
+    assert seen and all(issubclass(t, jax.Array) for t in seen)
+    assert jax_callback.io_callback_impl is original
+    with pytest.raises(RuntimeError), ic.host_callbacks():
+        raise RuntimeError("kernel crashed")
+    assert jax_callback.io_callback_impl is original
 
 
 # ----------------------------------------------------------------- masked stores
