@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -33,13 +34,41 @@ def _read_report(report_dir: pathlib.Path) -> dict:
     return report
 
 
+# pytest's ways of saying how many xdist workers to run.
+_WORKERS = re.compile(r"^(-n|--numprocesses)(=?)(.*)$")
+
+
+def _at_least_one_worker(extra: list[str]) -> list[str]:
+    """The arguments with ``-n auto`` when they name no worker count, and ``-n 1`` where they
+    say ``-n 0``: a case that hangs in native code ends only by ending its process, and only
+    a worker's end leaves the run (the controller) to go on (``attncheck.watchdog``)."""
+    out, i, named = [], 0, False
+    while i < len(extra):
+        arg = extra[i]
+        found = _WORKERS.match(arg)
+        if found is None:
+            out.append(arg)
+            i += 1
+            continue
+        named = True
+        value = found.group(3) if found.group(3) else (extra[i + 1] if i + 1 < len(extra) else "")
+        step = 1 if found.group(3) else 2
+        if value.strip() == "0":
+            print("attncheck gate: -n 0 runs as -n 1: a hung case is ended by ending its worker, and the run goes "
+                  "on with a new one (pytest -n 0 runs every test in one process, which a hang would end)",
+                  file=sys.stderr)
+            value = "1"
+        out += [found.group(1), value]
+        i += step
+    return out if named else ["-n", "auto", *out]
+
+
 def cmd_gate(args, extra: list[str]) -> int:
     """The gate, as ``pytest --pyargs attncheck.gate`` with the CI defaults; extra
     arguments go to pytest (more test paths, -k, --attncheck-impl, ...)."""
-    defaults = ["-n", "auto"] if not any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in extra) else []
     profile = [] if any(a.startswith("--hypothesis-profile") for a in extra) else ["--hypothesis-profile=ci"]
-    command = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "--attncheck", *defaults, *profile,
-               *extra]
+    command = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "--attncheck", *profile,
+               *_at_least_one_worker(extra)]
     rc = subprocess.call(command)
     if rc == 5:  # pytest's "no tests collected": the report says NO CASES; the exit says failure
         print("attncheck gate: no tests were collected", file=sys.stderr)
@@ -58,7 +87,14 @@ def _describe_index(spec, direction: str, index) -> str:
 def cmd_repro(args) -> int:
     from attncheck import env
 
-    env.configure()  # before jax starts: ring cases run on several simulated devices
+    # Before jax and NumPy start: ring cases run on several simulated devices, and the code
+    # is generated as the gate generates it.
+    try:
+        warnings = env.configure()
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    for warning in warnings:
+        print(f"attncheck repro: {warning}", file=sys.stderr)
     from attncheck import check, specs
     from attncheck.backends import BACKENDS
     from attncheck.report import errormap
@@ -94,6 +130,8 @@ def cmd_repro(args) -> int:
     if (reason := backend.unavailable_reason()) is not None:
         raise CommandError(f"backend {backend_name} is unavailable here: {reason}")
     print(f"case {case.id}: {spec.name} / {record.impl} ({record.impl_ref}) on {backend_name}")
+    print(f"  platform: {env.current_platform().describe()} (the record's: "
+          f"{record.backend_settings.get('platform', 'not recorded')})")
     print("  parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(case.params.to_json().items()))
           + f", seed={case.seed}")
     # Every direction's map: a terminal shows the text grid of each one asked for.
@@ -116,7 +154,9 @@ def cmd_repro(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from attncheck import accepted, specs
+    import dataclasses
+
+    from attncheck import accepted
     from attncheck.report import merge, render
     from attncheck.report import records as rec
 
@@ -129,19 +169,23 @@ def cmd_report(args) -> int:
         raise CommandError(f"--run {run_id}: no such run under {directory / rec.RECORDS_DIR} "
                            f"(recorded: {', '.join(runs)})")
     info = rec.RunInfo.read(directory, run_id)
+    if info is None or info.policy is None:
+        raise CommandError(f"run {run_id}: {directory / rec.RECORDS_DIR} holds no readable description of it "
+                           f"({run_id}{rec.RUN_SUFFIX}), so how it is judged is not known")
     last = rec.last_activity(directory, run_id)
-    wall = None if info is None or last is None else last - info.started
-    # A merge done here (not by the pytest session) is of a run that did not finish.
+    wall = None if last is None else last - info.started
+    # A merge done here (not by the pytest session) is of a run that did not finish; it
+    # judges the run as the run itself would have.
+    policy = info.policy
+    if args.accepted_budgets:
+        policy = dataclasses.replace(policy, accepted_budgets=args.accepted_budgets)
     outcome = merge.RunOutcome(complete=args.complete, wall_s=wall)
     try:
-        report = merge.merge(directory, run_id, outcome,
-                             applicable={s.name: s.class_names for s in specs.all_specs().values()},
-                             fixed_parameters={s.name: s.fixed_parameters for s in specs.all_specs().values()},
-                             accepted_path=args.accepted_budgets)
+        report = merge.merge(directory, run_id, outcome, policy)
+        budgets = accepted.read(pathlib.Path(policy.accepted_budgets)) if policy.accepted_budgets else None
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    render.write(directory, report,
-                 accepted=accepted.read(pathlib.Path(args.accepted_budgets)) if args.accepted_budgets else None)
+    render.write(directory, report, accepted=budgets, regression_floor=policy.regression_floor)
     print((directory / "report.md").read_text(encoding="utf-8"))
     return 0 if report.verdict == "PASS" else 1
 
@@ -181,9 +225,15 @@ def cmd_budgets_accept(args) -> int:
         rows = [SummaryRow(**row) for row in report.get("summary", [])]
     except TypeError as exc:
         raise CommandError(f"{args.report}/report.json: unreadable summary ({exc})") from None
-    budgets = accepted.from_summary(rows)
+    from attncheck.env import Platform
+
+    platform = report.get("platform")
+    budgets = accepted.from_summary(rows, None if platform is None else Platform.from_json(platform),
+                                    report.get("profile"))
     accepted.write(pathlib.Path(args.output), budgets)
-    print(f"wrote {len(budgets)} accepted budgets to {args.output}")
+    where = "an unknown platform" if budgets.platform is None else budgets.platform.describe()
+    print(f"wrote {len(budgets.budgets)} accepted budgets to {args.output} (platform: {where}; "
+          f"profile: {budgets.profile}): a run is judged against them only on that platform and profile")
     return 0
 
 

@@ -12,11 +12,14 @@ import json
 import pathlib
 from typing import TYPE_CHECKING
 
+from attncheck.env import Platform
+
 if TYPE_CHECKING:
     from attncheck.report.model import SummaryRow
 
 DEFAULT_FILE = pathlib.Path("reports") / "accepted_budgets.json"
-SCHEMA_VERSION = 1
+# 2: the file says which platform and hypothesis profile its budgets were accepted on.
+SCHEMA_VERSION = 2
 # A budget may grow this much past the accepted one before the gate calls it a numerics
 # regression: budgets of passing cases wobble with the drawn inputs.
 REGRESSION_FACTOR = 1.5
@@ -45,7 +48,30 @@ class AcceptedBudget:
         return tuple(getattr(self, k) for k in _KEYS)
 
 
-def read(path: pathlib.Path) -> list[AcceptedBudget]:
+@dataclasses.dataclass(frozen=True)
+class AcceptedBudgets:
+    """The accepted worst budgets of a passing run, with what makes them comparable: the
+    platform its numbers belong to and the hypothesis profile that drew its cases (None:
+    a file that does not say)."""
+
+    budgets: tuple[AcceptedBudget, ...]
+    platform: Platform | None = None
+    profile: str | None = None
+
+    def not_comparable(self, platform: Platform | None, profile: str | None) -> str | None:
+        """Why a run on this platform and profile is not judged against these budgets (its
+        growth is a difference to show, not a regression), or None when it is."""
+        if self.platform is None or self.profile is None:
+            return "the accepted budgets do not say which platform and profile they were accepted on"
+        if platform != self.platform:
+            return (f"accepted on {self.platform.describe()}; this run's numbers belong to "
+                    f"{'an unknown platform' if platform is None else platform.describe()}")
+        if profile != self.profile:
+            return f"accepted on the {self.profile} profile's draws; this run drew {profile}'s"
+        return None
+
+
+def read(path: pathlib.Path) -> AcceptedBudgets:
     """The accepted budgets of a file, validated: every problem names the file and the entry."""
     path = pathlib.Path(path)
     try:
@@ -69,11 +95,21 @@ def read(path: pathlib.Path) -> list[AcceptedBudget]:
             raise AcceptedBudgetsError(f"{path}: budgets[{n}] must hold strings for {', '.join(_KEYS)} and a "
                                        f"non-negative number for worst_budget, got {entry}")
         budgets.append(AcceptedBudget(*(entry[k] for k in _KEYS), float(entry["worst_budget"])))
-    return budgets
+    platform, profile = data.get("platform"), data.get("profile")
+    try:
+        platform = None if platform is None else Platform.from_json(platform)
+    except (AttributeError, TypeError) as exc:
+        raise AcceptedBudgetsError(f"{path}: platform must be an object as `attncheck budgets accept` writes "
+                                   f"it, got {platform!r}") from exc
+    if profile is not None and not isinstance(profile, str):
+        raise AcceptedBudgetsError(f"{path}: profile must be a string, got {profile!r}")
+    return AcceptedBudgets(tuple(budgets), platform, profile)
 
 
-def write(path: pathlib.Path, budgets: list[AcceptedBudget]) -> None:
-    data = {"schema_version": SCHEMA_VERSION, "budgets": [dataclasses.asdict(b) for b in budgets]}
+def write(path: pathlib.Path, accepted: AcceptedBudgets) -> None:
+    data = {"schema_version": SCHEMA_VERSION, "budgets": [dataclasses.asdict(b) for b in accepted.budgets],
+            "platform": None if accepted.platform is None else accepted.platform.to_json(),
+            "profile": accepted.profile}
     pathlib.Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
@@ -95,12 +131,12 @@ class Standing:
         return self.limit is not None and self.row.worst_budget > self.limit
 
 
-def standings(rows: list[SummaryRow], accepted: list[AcceptedBudget],
+def standings(rows: list[SummaryRow], accepted: AcceptedBudgets | None,
               floor: float = REGRESSION_FLOOR) -> list[Standing]:
     """Each row with its accepted budget and regression limit. Keyed by implementation
     too: a family's implementations differ legitimately (e.g. blockwise vs one-shot
     reductions), so each is compared with its own accepted budget, never with another's."""
-    by_key = {b.key: b.worst_budget for b in accepted}
+    by_key = {b.key: b.worst_budget for b in (accepted.budgets if accepted is not None else ())}
     out = []
     for row in rows:
         old = by_key.get((row.kernel, _accepted_impl(row.impl), row.backend, row.dtype, row.direction))
@@ -108,15 +144,29 @@ def standings(rows: list[SummaryRow], accepted: list[AcceptedBudget],
     return out
 
 
-def regressions(rows: list[SummaryRow], accepted: list[AcceptedBudget], floor: float = REGRESSION_FLOOR) -> list[str]:
-    """Budgets that grew past the accepted ones (``standings``)."""
-    return [f"numerics regression: {s.row.kernel}/{s.row.impl}/{s.row.backend}/{s.row.dtype}/{s.row.direction} "
+def growth(rows: list[SummaryRow], accepted: AcceptedBudgets, floor: float = REGRESSION_FLOOR) -> list[str]:
+    """A line for each budget that grew past its accepted one's limit (``standings``)."""
+    return [f"{s.row.kernel}/{s.row.impl}/{s.row.backend}/{s.row.dtype}/{s.row.direction} "
             f"worst budget {s.row.worst_budget:.3g} > {REGRESSION_FACTOR} x accepted {s.accepted:.3g} "
             f"(case {s.row.worst_case})" for s in standings(rows, accepted, floor) if s.regressed]
 
 
-def from_summary(rows: list[SummaryRow]) -> list[AcceptedBudget]:
+def judge(rows: list[SummaryRow], accepted: AcceptedBudgets, floor: float, platform: Platform | None,
+          profile: str | None) -> tuple[list[str], list[str]]:
+    """(numerics regressions, differences): growth past the limit is a regression where the
+    accepted budgets come from this platform and profile, else a difference to show with
+    the reason, never failing (other codegen, or other draws, move worst budgets by more
+    than the limit: README, "The regression rule")."""
+    grown = growth(rows, accepted, floor)
+    why = accepted.not_comparable(platform, profile)
+    if why is None:
+        return [f"numerics regression: {line}" for line in grown], []
+    return [], [f"{line}: not judged, {why}" for line in grown]
+
+
+def from_summary(rows: list[SummaryRow], platform: Platform | None, profile: str | None) -> AcceptedBudgets:
     """The budgets to accept from a run: every passing group of the families' own
-    implementations."""
-    return [AcceptedBudget(row.kernel, row.impl, row.backend, row.dtype, row.direction, row.worst_budget)
-            for row in rows if row.impl != "user" and row.failures == 0]
+    implementations, with the platform and profile they belong to."""
+    return AcceptedBudgets(tuple(AcceptedBudget(row.kernel, row.impl, row.backend, row.dtype, row.direction,
+                                                row.worst_budget)
+                                 for row in rows if row.impl != "user" and row.failures == 0), platform, profile)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from attncheck import interpret_compat
+from attncheck import env, interpret_compat
 from attncheck.compiled import with_vjp
 
 INTERPRET_BASE = dict(uninitialized_memory="nan", out_of_bounds_reads="raise")
@@ -82,10 +82,10 @@ class Backend:
         return {**INTERPRET_BASE, **variant}
 
     def recorded_settings(self, seed: int = 0, devices: int = 1, cores: int | None = None) -> dict:
-        """What a record says the case ran under: the interpreter settings and the TPU
-        generation emulated."""
+        """What a record says the case ran under: the interpreter settings, the TPU
+        generation emulated, and the platform its numbers belong to."""
         emulated = {"emulated_tpu": self.tpu_device_kind} if self.tpu_device_kind else {}
-        return {**self.settings(seed, devices, cores), **emulated}
+        return {**self.settings(seed, devices, cores), **emulated, "platform": env.current_platform().describe()}
 
     def runs_devices(self, devices: int) -> bool:
         return self.max_devices is None or devices <= self.max_devices

@@ -141,8 +141,10 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
     max_abs = float(np.max(abs_err, initial=0.0))
     rel_denominator = np.maximum(np.abs(of), dtype_eps(dtype) * max(scale, dtype_tiny(dtype)))
     ulps = abs_err / ulp_of(of, dtype) if abs_err.size else np.zeros(1)
-    norm = float(np.linalg.norm(kf) * np.linalg.norm(of))
-    cosine = float(np.dot(kf, of) / norm) if norm > 0 else (1.0 if max_abs == 0 else 0.0)
+    # einsum, not np.dot or np.linalg.norm: those call the BLAS library, whose kernels sum in
+    # an order that depends on the host's CPU.
+    norm = math.sqrt(float(np.einsum("i,i->", kf, kf)) * float(np.einsum("i,i->", of, of)))
+    cosine = float(np.einsum("i,i->", kf, of) / norm) if norm > 0 else (1.0 if max_abs == 0 else 0.0)
 
     worst_index = worst_kernel = worst_oracle = None
     if abs_err.size:

@@ -95,9 +95,16 @@ def pytest_configure(config):
     why = _why_active(config)
     if why is None:
         return
+    from attncheck import env
+
+    # Before attncheck.run imports jax and NumPy: both fix their code when they start.
+    try:
+        setup_warnings = env.configure()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     from attncheck.run import GateRun
 
-    run = GateRun(config, why)
+    run = GateRun(config, why, setup_warnings)
     config.stash[RUN] = run
     config.pluginmanager.register(run, "attncheck-run")
 

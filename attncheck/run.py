@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import fcntl
 import gc
+import io
 import os
 import pathlib
 import signal
@@ -22,10 +24,11 @@ import time
 import pytest
 from hypothesis import settings
 
-from attncheck import accepted, compile_cache, env, profiles, scheduling, selection, specs
+from attncheck import accepted, compile_cache, env, profiles, scheduling, selection, specs, watchdog
 from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
-from attncheck.report import errormap
+from attncheck.report import errormap, merge, model, render
 from attncheck.report import records as rec
+from attncheck.report.policy import Policy
 
 LOCK_FILE = ".attncheck.lock"
 # The per-test timeout of an attncheck run whose project set none (a kernel that hangs).
@@ -95,7 +98,7 @@ GC_THRESHOLDS = (20000, 20, 20)
 class GateRun:
     """The state and hooks of one attncheck run in one pytest process."""
 
-    def __init__(self, config, why: str):
+    def __init__(self, config, why: str, setup_warnings: list[str]):
         self.config = config
         self.why = why
         self.is_worker = hasattr(config, "workerinput")
@@ -106,10 +109,16 @@ class GateRun:
         self.worker = config.workerinput["workerid"] if self.is_worker else "main"
         self.started = time.time()
         self._validate_and_select()
-        for warning in env.configure():
+        for warning in setup_warnings:  # of env.configure, called before this module was imported
             self._warn(warning)
         if config.getoption("hypothesis_profile", None) is None:
             profiles.load_default()
+        self.platform = env.current_platform()
+        floor = config.getoption("attncheck_regression_floor")
+        self.policy = Policy.of_specs(
+            specs.all_specs().values(), require_coverage=config.getoption("attncheck_require_coverage"),
+            accepted_budgets=self.accepted_path,
+            regression_floor=accepted.REGRESSION_FLOOR if floor is None else floor)
         if config.getoption("timeout", None) is None and not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
             config.option.timeout_method = "signal"
@@ -179,8 +188,6 @@ class GateRun:
             return {}
 
     def _take_the_report_directory(self) -> None:
-        from attncheck.report import model, render
-
         self.lock = ReportDirLock(self.report_dir, self.run_id)
         # Until this run merges, the directory says the run is in progress: a run that dies
         # must not leave the previous run's PASS in place.
@@ -188,7 +195,8 @@ class GateRun:
         for stale in ("junit.xml", scheduling.REPORT_FILE):
             (self.report_dir / stale).unlink(missing_ok=True)
         rec.RunInfo(self.run_id, self.started, tuple(self.config.invocation_params.args),
-                    None if self.shard is None else str(self.shard)).write(self.report_dir)
+                    None if self.shard is None else str(self.shard), self.policy, self.platform,
+                    settings.get_current_profile_name()).write(self.report_dir)
         config = self.config
         # xdist's default hands each worker a quarter of its share up front, which undoes the
         # longest-first order; one test at a time keeps it.
@@ -209,6 +217,9 @@ class GateRun:
                  + (f" (emulates {b.tpu_device_kind})" if b.tpu_device_kind else "")
                  for name, b in backends.BACKENDS.items()]
         return ["attncheck backends:", *lines,
+                f"attncheck platform: {self.platform.describe()}"
+                + ("" if self.platform.isa == env.HOST else f" (fixed by attncheck: {env.ISA_ENV}={env.HOST} leaves "
+                   "the code to the host)") + (f"; cpu: {self.platform.cpu}" if self.platform.cpu else ""),
                 f"attncheck report: {self.report_dir}  hypothesis profile: {settings.get_current_profile_name()}"
                 f"  (active: {self.why})"]
 
@@ -291,18 +302,42 @@ class GateRun:
 
     def pytest_sessionstart(self, session):
         self.writer.log_faults()  # after pytest's faulthandler plugin has set stderr
+        self._keep_native_stderr()
+        self.watchdog = watchdog.Watchdog(self._end_hung_test)
+        self.session = session
         if not self.is_worker:
             self.config.pluginmanager.register(MaxfailStop(session, self.stop_file), "attncheck-maxfail-stop")
 
+    def _keep_native_stderr(self) -> None:
+        """Capture file descriptor 2 of each test into the process' stderr file, not
+        pytest's unnamed temporary file: XLA writes why it aborts there just before the
+        process dies, and the merge quotes it (``records.fatal_errors``). pytest still reads
+        and empties the file after each test, as it did its own. Left as pytest has it when
+        pytest does not capture the descriptor (-s)."""
+        capman = self.config.pluginmanager.getplugin("capturemanager")
+        err = getattr(getattr(capman, "_global_capturing", None), "err", None)
+        if err is None or getattr(err, "targetfd", None) != 2 or not hasattr(err, "tmpfile"):
+            return
+        named = io.TextIOWrapper(open(self.writer.stderr_path, "w+b", buffering=0),  # noqa: SIM115
+                                 encoding="utf-8", errors="replace", newline="", write_through=True)
+        previous, err.tmpfile = err.tmpfile, named
+        if getattr(err.syscapture, "tmpfile", None) is previous:
+            err.syscapture.tmpfile = named
+        if getattr(err, "_state", None) == "started":
+            os.dup2(named.fileno(), 2)
+        previous.close()
+
     @pytest.hookimpl(wrapper=True, optionalhook=True)
     def pytest_timeout_set_timer(self, item, settings):
-        """Re-arm pytest-timeout's SIGALRM on every expiry.
+        """Arm the watchdog (``attncheck.watchdog``: a hang the signal cannot reach), and
+        re-arm pytest-timeout's SIGALRM on every expiry.
 
         The signal fires once per test, but hypothesis then replays the failing example to
         report it: a kernel that hangs anywhere the gate test cannot see would hang that
         replay forever with no timer left.
         """
         result = yield
+        self.watchdog.arm(item.nodeid, settings.timeout)
         handler = signal.getsignal(signal.SIGALRM)
         if settings.method == "signal" and callable(handler) and threading.current_thread() is threading.main_thread():
             def rearm(signum, frame):
@@ -312,6 +347,35 @@ class GateRun:
 
             signal.signal(signal.SIGALRM, rearm)
         return result
+
+    @pytest.hookimpl(wrapper=True, optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item):
+        self.watchdog.disarm()
+        return (yield)
+
+    def _end_hung_test(self, test: str, limit_s: float) -> None:
+        """The watchdog's end of a test past its limit (on the watchdog's thread): the case
+        in flight gets its error record, every thread's stack goes to the faults file, and
+        the process ends. A worker's controller then replaces it and the run goes on; a run
+        without workers (-n 0) merges its report first, so it ends with a verdict."""
+        case = self.writer.in_flight
+        reason = (f"timed out after {limit_s:g} s (the test's limit, --timeout): the case did not end within "
+                  f"{limit_s * (1 + watchdog.GRACE):g} s, so its process was ended; the stack of every thread is "
+                  f"in {self.writer.faults_path.name} in the report's records")
+        if case is not None:
+            self.writer.write(rec.Record(**{f.name: getattr(case, f.name) for f in dataclasses.fields(rec.CaseRun)},
+                                         direction="all", outcome="error", reason=reason))
+        self.writer.dump_stacks(f"{rec.TIMED_OUT} after {limit_s:g} s in {test}"
+                                + (f", case {case.case_id}" if case is not None else "") + ":")
+        if not self.is_worker:
+            self._merge_and_write(merge.RunOutcome(
+                complete=False, wall_s=time.time() - self.started, failed_tests={**self._failed_tests(), test: reason},
+                session_problems=(f"the run ended at {test}: it ran past its limit of {limit_s:g} s. Without xdist "
+                                  "workers (-n 0) a test that hangs ends the run; with -n 1 or more its worker is "
+                                  "replaced and the run goes on (`attncheck gate` always runs one)",)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(watchdog.EXIT_STATUS)
 
     # ------------------------------------------------------------------ the merge
     def _failed_tests(self) -> dict[str, str]:
@@ -351,6 +415,12 @@ class GateRun:
             return []  # the merge marks the run incomplete
         return [f"pytest ended with exit status {int(exitstatus)} ({exitstatus.name})"]
 
+    def _merge_and_write(self, outcome: merge.RunOutcome, shard: model.ShardInfo | None = None) -> model.Report:
+        report = merge.merge(self.report_dir, self.run_id, outcome, self.policy, shard=shard)
+        render.write(self.report_dir, report, regression_floor=self.policy.regression_floor,
+                     accepted=accepted.read(pathlib.Path(self.accepted_path)) if self.accepted_path else None)
+        return report
+
     def pytest_sessionfinish(self, session, exitstatus):
         if self.is_worker:
             # Its records are written; the controller now waits for it to end. pytest's
@@ -359,8 +429,6 @@ class GateRun:
             # ``_end_worker`` skips jax's teardown. Together they took 4-8 s.
             gc.freeze()
             return
-        from attncheck.report import merge, model, render
-
         interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
         collect_only = self.config.getoption("collectonly")
         asked = {} if collect_only else self._asked()
@@ -370,22 +438,11 @@ class GateRun:
             unavailable=tuple(selection.unavailable_requests(self.options)),
             skipped_backends=tuple(model.SkippedBackend(*s) for s in selection.skipped_backends(self.options)),
             session_problems=tuple(self._session_problems(session, exitstatus)))
-        applicable = {s.name: s.class_names for s in specs.all_specs().values()}
-        fixed = {s.name: s.fixed_parameters for s in specs.all_specs().values()}
-        declared = {s.name: model.Declared(tuple(s.contracts), tuple(s.findings)) for s in specs.all_specs().values()}
-        floor = self.config.getoption("attncheck_regression_floor")
-        floor = accepted.REGRESSION_FLOOR if floor is None else floor
-        require_coverage = self.config.getoption("attncheck_require_coverage")
         shard = None if self.shard is None else model.ShardInfo(
             self.shard.index, self.shard.count, tests=len(self.collected), **self._collection(),
             asked={target: dict(outcomes) for target, outcomes in asked.items()}, unavailable=outcome.unavailable,
-            applicable=applicable, fixed_parameters=fixed, require_coverage=require_coverage,
-            accepted_budgets=self.accepted_path, regression_floor=floor, declared=declared)
-        report = merge.merge(self.report_dir, self.run_id, outcome, applicable=applicable, fixed_parameters=fixed,
-                             declared=declared, accepted_path=self.accepted_path, require_coverage=require_coverage,
-                             regression_floor=floor, shard=shard)
-        render.write(self.report_dir, report, regression_floor=floor,
-                     accepted=accepted.read(pathlib.Path(self.accepted_path)) if self.accepted_path else None)
+            policy=self.policy)
+        report = self._merge_and_write(outcome, shard)
         rec.clear_stale_records(self.report_dir, self.run_id)
         self.stop_file.unlink(missing_ok=True)
         scheduling.write(self.report_dir / scheduling.REPORT_FILE, self.seconds)

@@ -16,6 +16,12 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
 
 
+def _mm(a, b):
+    """a @ b over the last axis of a, by NumPy's own loops: ``@`` calls the BLAS library,
+    whose kernels (and so roundings) differ by the host's CPU; einsum's do not."""
+    return np.einsum("...i,ij->...j", a, b)
+
+
 def _gelu_and_derivative(h):
     inner = _GELU_C * (h + _GELU_CUBIC * h**3)
     t = np.tanh(inner)
@@ -51,19 +57,19 @@ def _check(x, w_in, b_in, w_out, b_out):
 
 def feed_forward(x, w_in, b_in, w_out, b_out) -> np.ndarray:
     x, w_in, b_in, w_out, b_out = _check(x, w_in, b_in, w_out, b_out)
-    h = x @ w_in + (0.0 if b_in is None else b_in)
-    return _gelu_and_derivative(h)[0] @ w_out + (0.0 if b_out is None else b_out)
+    h = _mm(x, w_in) + (0.0 if b_in is None else b_in)
+    return _mm(_gelu_and_derivative(h)[0], w_out) + (0.0 if b_out is None else b_out)
 
 
 def feed_forward_vjp(x, w_in, b_in, w_out, b_out, d_out) -> dict[str, np.ndarray]:
     """Gradients "dx", "dw_in", "dw_out" and "db_in"/"db_out" for the biases given."""
     x, w_in, b_in, w_out, b_out = _check(x, w_in, b_in, w_out, b_out)
     d_out = _f64("d_out", d_out)
-    h = x @ w_in + (0.0 if b_in is None else b_in)
+    h = _mm(x, w_in) + (0.0 if b_in is None else b_in)
     a, da_dh = _gelu_and_derivative(h)
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (positions x features)
-    dh = (d_out @ w_out.T) * da_dh
-    grads = {"dx": dh @ w_in.T, "dw_in": flat(x).T @ flat(dh), "dw_out": flat(a).T @ flat(d_out)}
+    dh = _mm(d_out, w_out.T) * da_dh
+    grads = {"dx": _mm(dh, w_in.T), "dw_in": _mm(flat(x).T, flat(dh)), "dw_out": _mm(flat(a).T, flat(d_out))}
     if b_in is not None:
         grads["db_in"] = flat(dh).sum(axis=0)
     if b_out is not None:

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from attncheck import accepted, coverage, parameters
 from attncheck.mutation import runner
 from attncheck.report import records as rec
-from attncheck.report.model import (FAIL, INCOMPLETE, Declared, Report, ShardInfo, SkippedBackend, build, describe_tests,
+from attncheck.env import Platform
+from attncheck.report.model import (FAIL, INCOMPLETE, Report, ShardInfo, SkippedBackend, build, describe_tests,
                                     parameter_table, summarize, unprobed, unverified_targets)
+from attncheck.report.policy import Policy
 
 MUTATION_FILE = "mutation.json"
 
@@ -36,16 +38,17 @@ class RunOutcome:
     session_problems: tuple[str, ...] = ()  # e.g. pytest's exit status
 
 
-def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
-          applicable: Mapping[str, tuple[str, ...]], accepted_path: str | None = None,
-          regression_floor: float = accepted.REGRESSION_FLOOR, require_coverage: bool = False,
-          fixed_parameters: Mapping[str, Mapping[str, str]] | None = None,
-          declared: Mapping[str, Declared] | None = None, shard: ShardInfo | None = None) -> Report:
-    """The report of a run from the files it wrote; with ``require_coverage`` an applicable
-    bug class without a case and a parameter that kept one value (not declared fixed) are
-    problems. A shard's report (``shard``) leaves the coverage holes and regressions to the
-    merge of the shards: they are properties of the whole run."""
+def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Policy | None = None, *,
+          shard: ShardInfo | None = None) -> Report:
+    """The report of a run from the files it wrote, judged by ``policy`` (default: the
+    policy the run wrote when it started, else the defaults): with ``require_coverage`` an
+    applicable bug class without a case and a parameter that kept one value (not declared
+    fixed) are problems. A shard's report (``shard``) leaves the coverage holes and
+    regressions to the merge of the shards: they are properties of the whole run."""
     directory = pathlib.Path(directory)
+    info = rec.RunInfo.read(directory, run_id)
+    policy = policy or (info.policy if info is not None and info.policy is not None else Policy())
+    platform, profile = (None, None) if info is None else (info.platform, info.profile)
     records, problems = rec.read_records(directory, run_id)
     started, marker_problems = rec.read_started(directory, run_id)
     problems += marker_problems
@@ -59,40 +62,39 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, *,
     failing_tests = {r.nodeid for r in records if not r.passed}
     problems += [f"{nodeid} failed without a failing record: {reason[:300]}"
                  for nodeid, reason in sorted(outcome.failed_tests.items()) if nodeid not in failing_tests]
-    regressions = None
+    regressions, differences = None, []
     if shard is None:
-        holes, regressions = _judge_whole_run(records, applicable, fixed_parameters or {}, require_coverage,
-                                              accepted_path, regression_floor)
+        holes, regressions, differences = _judge_whole_run(records, policy, platform, profile)
         problems += holes
     unverified = list(outcome.unavailable)
     if outcome.asked is not None:
         unverified += unverified_targets(records, outcome.asked)
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
-                 unverified=unverified, skipped_backends=list(outcome.skipped_backends), applicable=applicable,
-                 regressions=regressions, mutation=_read_json(directory / MUTATION_FILE),
-                 fixed_parameters=fixed_parameters, declared=declared, shard=shard)
+                 unverified=unverified, skipped_backends=list(outcome.skipped_backends), policy=policy,
+                 regressions=regressions, budget_differences=differences, mutation=_read_json(directory / MUTATION_FILE),
+                 shard=shard, platform=platform, profile=profile)
 
 
-def _judge_whole_run(records: list[rec.Record], applicable: Mapping[str, tuple[str, ...]],
-                     fixed_parameters: Mapping[str, Mapping[str, str]], require_coverage: bool,
-                     accepted_path: str | None, regression_floor: float) -> tuple[list[str], list[str] | None]:
+def _judge_whole_run(records: list[rec.Record], policy: Policy, platform: Platform | None, profile: str | None
+                     ) -> tuple[list[str], list[str] | None, list[str]]:
     """(coverage holes: bug classes and parameters, numerics regressions or None when no
-    accepted budgets were given)."""
+    accepted budgets were given, differences from accepted budgets of another platform or
+    profile)."""
     holes = []
-    if require_coverage:
-        counts = coverage.table(records, applicable)
+    if policy.require_coverage:
+        counts = coverage.table(records, policy.applicable)
         holes = [f"coverage: {kernel} never exercised {', '.join(names)}"
-                 for kernel, names in coverage.missing(counts, applicable).items()]
+                 for kernel, names in coverage.missing(counts, policy.applicable).items()]
         holes += [f"parameter coverage: {kernel} never varied {', '.join(names)}"
-                  for kernel, names in parameters.unvaried(parameter_table(records), fixed_parameters).items()]
+                  for kernel, names in parameters.unvaried(parameter_table(records), policy.fixed_parameters).items()]
         holes += [f"parameter coverage: {kernel}: the call of {n} case(s) could not be probed "
                   "(attncheck.parameters), so their parameters are unknown"
                   for kernel, n in unprobed(records).items()]
-    regressions = None
-    if accepted_path:
-        regressions = accepted.regressions(summarize(records), accepted.read(pathlib.Path(accepted_path)),
-                                           regression_floor)
-    return holes, regressions
+    regressions, differences = None, []
+    if policy.accepted_budgets:
+        regressions, differences = accepted.judge(summarize(records), accepted.read(pathlib.Path(policy.accepted_budgets)),
+                                                  policy.regression_floor, platform, profile)
+    return holes, regressions, differences
 
 
 # ------------------------------------------------------------------ the shards of a run
@@ -178,11 +180,12 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     elif infos and len(infos) == count and sum(i.tests for i in infos) != infos[0].collection_size:
         problems.append(f"the shards ran {sum(i.tests for i in infos)} tests of the {infos[0].collection_size} "
                         "their run collected")
-    if len({(i.require_coverage, i.accepted_budgets, i.regression_floor) for i in infos}) > 1:
-        problems.append("the shards were judged differently (--attncheck-require-coverage, "
-                        "--attncheck-accepted-budgets, --attncheck-regression-floor): " + ", ".join(
-                            f"{i.name}: {i.require_coverage}, {i.accepted_budgets}, {i.regression_floor}"
-                            for i in infos))
+    differing = sorted({f.name for i in infos for f in dataclasses.fields(Policy)
+                        if getattr(i.policy, f.name) != getattr(infos[0].policy, f.name)})
+    if differing:
+        problems.append(f"the shards were judged differently: their policies differ in {', '.join(differing)} "
+                        "(the families' declarations, --attncheck-require-coverage, --attncheck-accepted-budgets, "
+                        "--attncheck-regression-floor)")
     for s in ordered:
         if s.data["verdict"] in (FAIL, INCOMPLETE):
             problems.append(f"shard {s.info.name} ({s.directory}): {s.data['verdict']}")
@@ -190,14 +193,17 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
 
     records = sorted((r for s in ordered for r in s.records), key=lambda r: r.key)
     problems += [f"a record in more than one shard: {key}" for key in rec.duplicates(records)]
-    applicable = {family: classes for i in infos for family, classes in i.applicable.items()}
-    fixed = {family: reasons for i in infos for family, reasons in i.fixed_parameters.items()}
-    declared = {family: d for i in infos for family, d in i.declared.items()}
-    regressions = None
+    # One platform and profile when every shard ran on the same; else the accepted budgets
+    # cannot be judged (each record is still judged against the oracle where it ran).
+    platforms = {None if s.data.get("platform") is None else Platform.from_json(s.data["platform"]) for s in ordered}
+    profiles = {s.data.get("profile") for s in ordered}
+    platform = next(iter(platforms)) if len(platforms) == 1 else None
+    profile = next(iter(profiles)) if len(profiles) == 1 else None
+    policy = infos[0].policy if infos else Policy()
+    regressions, differences = None, []
     if infos:
         try:
-            holes, regressions = _judge_whole_run(records, applicable, fixed, infos[0].require_coverage,
-                                                  infos[0].accepted_budgets, infos[0].regression_floor)
+            holes, regressions, differences = _judge_whole_run(records, policy, platform, profile)
             problems += holes
         except accepted.AcceptedBudgetsError as exc:
             problems.append(f"--attncheck-accepted-budgets of the shards: {exc}")
@@ -220,8 +226,8 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     # The merge is final: a shard missing or unfinished is a problem above, never "in progress".
     return build(records, run_id="+".join(s.data["run_id"] for s in ordered) or "no-shards", complete=True,
                  wall_s=None if not walls or None in walls else max(walls), problems=problems,
-                 unverified=unverified, skipped_backends=list(skipped), applicable=applicable,
-                 regressions=regressions, mutation=mutation, fixed_parameters=fixed, declared=declared)
+                 unverified=unverified, skipped_backends=list(skipped), policy=policy, regressions=regressions,
+                 budget_differences=differences, mutation=mutation, platform=platform, profile=profile)
 
 
 def _read_json(path: pathlib.Path):

@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from attncheck import coverage, interpret_compat, parameters
+from attncheck.env import Platform
+from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record
 
 PASS, FAIL, NO_CASES, INCOMPLETE = "PASS", "FAIL", "NO CASES", "INCOMPLETE"
@@ -65,28 +67,13 @@ class Totals:
 
 
 @dataclasses.dataclass(frozen=True)
-class Declared:
-    """What a family declares of its kernels besides the oracle's semantics, so that the
-    report says which is which: *contracts*, properties a kernel has on purpose that the
-    gate holds it to (paged attention computes with bfloat16 pages), and *findings*, kernel
-    bugs or gaps the gate knows of and keeps out of its draws or as a strict xfail."""
-
-    contracts: tuple[str, ...] = ()
-    findings: tuple[str, ...] = ()
-
-    @classmethod
-    def from_json(cls, data: Mapping) -> Declared:
-        return cls(tuple(data["contracts"]), tuple(data["findings"]))
-
-
-@dataclasses.dataclass(frozen=True)
 class ShardInfo:
     """Which shard of a run (``--attncheck-shard K/N``) a report is, and what merging the
     shards needs besides their records (``attncheck report merge``): the whole collection,
     to find a missing shard; what each target's tests did, to say which target verified
-    nothing in the run as a whole; and what is judged on the whole run only, never on a
-    shard (coverage holes and numerics regressions: a shard holds part of each family's
-    cases)."""
+    nothing in the run as a whole; and the run's policy, which judges what is judged on the
+    whole run only, never on a shard (coverage holes and numerics regressions: a shard
+    holds part of each family's cases)."""
 
     index: int  # from 1
     count: int
@@ -95,27 +82,19 @@ class ShardInfo:
     collection_digest: str | None
     asked: Mapping[str, Mapping[str, int]]  # target id -> outcome of its tests -> how many
     unavailable: tuple[str, ...]  # backends asked for by name that cannot run
-    applicable: Mapping[str, tuple[str, ...]]  # family -> its bug classes
-    fixed_parameters: Mapping[str, Mapping[str, str]]  # family -> parameter kept at one value -> why
-    require_coverage: bool
-    accepted_budgets: str | None
-    regression_floor: float
-    declared: Mapping[str, Declared] = dataclasses.field(default_factory=dict)  # family -> its declarations
+    policy: Policy
 
     @property
     def name(self) -> str:
         return f"{self.index}/{self.count}"
 
     def to_json(self) -> dict:
-        # Not dataclasses.asdict: it deep-copies values, and a spec's class-level mappings
-        # (fixed_parameters) are read-only proxies that cannot be copied.
-        return _json_safe({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy"}
+        return _json_safe({**out, "policy": self.policy.to_json()})
 
     @classmethod
     def from_json(cls, data: Mapping) -> ShardInfo:
-        return cls(**{**data, "unavailable": tuple(data["unavailable"]),
-                      "applicable": {k: tuple(v) for k, v in data["applicable"].items()},
-                      "declared": {k: Declared.from_json(v) for k, v in data["declared"].items()}})
+        return cls(**{**data, "unavailable": tuple(data["unavailable"]), "policy": Policy.from_json(data["policy"])})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +122,13 @@ class Report:
     fixed_parameters: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     declared: Mapping[str, Declared] = dataclasses.field(default_factory=dict)  # family -> its declarations
     shard: ShardInfo | None = None  # None: not a shard of a run
+    # What the numbers belong to (None: not known, or shards of several platforms) and the
+    # hypothesis profile that drew the cases: accepted budgets are judged only where both match.
+    platform: Platform | None = None
+    profile: str | None = None
+    # Worst budgets past the accepted ones' regression limit where the accepted budgets come
+    # from another platform or profile: shown, never failing (attncheck.accepted).
+    budget_differences: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def failing(self) -> list[Record]:
@@ -158,6 +144,7 @@ class Report:
         out["device_growth"] = [dataclasses.asdict(g) for g in self.device_growth]
         out["skipped_backends"] = [dataclasses.asdict(s) for s in self.skipped_backends]
         out["records"] = [r.to_json() for r in self.records]
+        out["platform"] = None if self.platform is None else self.platform.to_json()
         out["schema_version"] = SCHEMA_VERSION
         if self.regressions is None:
             del out["regressions"]
@@ -255,12 +242,12 @@ def unprobed(records: list[Record]) -> dict[str, int]:
 
 
 def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float | None, problems: list[str],
-          unverified: list[str], skipped_backends: list[SkippedBackend],
-          applicable: Mapping[str, tuple[str, ...]], regressions: list[str] | None = None,
-          mutation: dict | None = None, fixed_parameters: Mapping[str, Mapping[str, str]] | None = None,
-          declared: Mapping[str, Declared] | None = None, shard: ShardInfo | None = None) -> Report:
-    """The report of a run from its records (``applicable``: the bug classes of each family)."""
-    counts = coverage.table(records, applicable)
+          unverified: list[str], skipped_backends: list[SkippedBackend], policy: Policy,
+          regressions: list[str] | None = None, budget_differences: list[str] | None = None,
+          mutation: dict | None = None, shard: ShardInfo | None = None, platform: Platform | None = None,
+          profile: str | None = None) -> Report:
+    """The report of a run from its records, judged by its policy."""
+    counts = coverage.table(records, policy.applicable)
     problems = list(problems) + list(regressions or ())
     failures = sum(not r.passed for r in records)
     return Report(
@@ -271,8 +258,9 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
         skipped_backends=skipped_backends, problems=problems, unverified=list(unverified),
         limitations=interpret_compat.limitation_lines(records), regressions=regressions, records=records,
         mutation=mutation, parameters=parameter_table(records),
-        fixed_parameters={k: dict(v) for k, v in (fixed_parameters or {}).items()},
-        declared={k: v for k, v in (declared or {}).items() if v.contracts or v.findings}, shard=shard)
+        fixed_parameters={k: dict(v) for k, v in policy.fixed_parameters.items()},
+        declared={k: v for k, v in policy.declared.items() if v.contracts or v.findings}, shard=shard,
+        platform=platform, profile=profile, budget_differences=list(budget_differences or ()))
 
 
 def placeholder(run_id: str) -> Report:

@@ -23,11 +23,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from attncheck.env import Platform
 from attncheck.numerics import Comparison
 from attncheck.report.errormap import ErrorMap
+from attncheck.report.policy import Policy
 
-# 3: records may carry an error map; reports list the interpreter's limitations.
-SCHEMA_VERSION = 3
+# 4: reports name the platform and profile their numbers belong to; a shard carries its run's policy.
+SCHEMA_VERSION = 4
 RECORDS_DIR = "records"
 RECORDS_SUFFIX = ".jsonl"
 STARTED_SUFFIX = ".started"
@@ -37,9 +39,15 @@ STARTED_SUFFIX = ".started"
 # test case are invalid in the xunit2 format CI systems read.
 KERNEL_TIME_SUFFIX = ".kernel_s"
 # faulthandler's dump of a process that died of a fatal signal (a segfault or an abort in
-# XLA, the OOM killer's SIGKILL leaves none): the merge quotes it for the cases the process
-# left unfinished, so a crash in CI names its cause in the report, not only in a log.
+# XLA, the OOM killer's SIGKILL leaves none), and the stacks of one the watchdog ended: the
+# merge quotes it for the cases the process left unfinished, so a crash in CI names its
+# cause in the report, not only in a log.
 FAULTS_SUFFIX = ".faults"
+# What the process wrote to its file descriptor 2 during its current test (pytest's capture
+# of it, kept in a named file: ``attncheck.run``): XLA's own message before an abort.
+STDERR_SUFFIX = ".stderr"
+# The first line of the watchdog's dump in a faults file.
+TIMED_OUT = "Timed out"
 # The run's own description, written when it starts (``RunInfo``).
 RUN_SUFFIX = ".run.json"
 # A shard's whole collection (``Collection``).
@@ -135,6 +143,29 @@ class Record(CaseRun):
     def key(self) -> tuple:
         return (self.kernel, self.impl, self.backend, self.case_id, self.direction, self.nodeid)
 
+    # What a record says about the kernel; the rest (timings, the process that wrote it, its
+    # memory, the run) differs from run to run by nature.
+    _CIRCUMSTANCES = frozenset({"timings", "run_id", "worker", "worker_peak_rss_mb", "traceback", "repro"})
+
+    def numbers(self) -> dict[str, Any]:
+        """The record without its circumstances: equal platforms give equal numbers, bit
+        for bit (errors, worst indices, budgets, error maps, verdicts)."""
+        return {k: v for k, v in self.to_json().items() if k not in self._CIRCUMSTANCES}
+
+
+def numbers_differ(a: list[Record], b: list[Record]) -> list[str]:
+    """Where two runs' records differ in their numbers: a line per record key found in one
+    run only or with other numbers (the first differing fields named)."""
+    left, right = {r.key: r.numbers() for r in a}, {r.key: r.numbers() for r in b}
+    out = [f"{key}: only in the {'first' if key in left else 'second'} run" for key in sorted(left.keys() ^ right.keys())]
+    for key in sorted(left.keys() & right.keys()):
+        if left[key] != right[key]:
+            fields = sorted(f for f in left[key].keys() | right[key].keys() if left[key].get(f) != right[key].get(f))
+            out.append(f"{key}: {', '.join(fields)} differ" + (
+                f" (budget {left[key]['metrics']['budget']!r} vs {right[key]['metrics']['budget']!r})"
+                if "metrics" in fields and "metrics" in left[key] and "metrics" in right[key] else ""))
+    return out
+
 
 # ------------------------------------------------------------------ writing
 def _append(path: pathlib.Path, line: str) -> None:
@@ -153,15 +184,32 @@ class RecordWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
         self.worker = worker
+        self.in_flight: CaseRun | None = None  # the case started and not yet recorded
+
+    @property
+    def faults_path(self) -> pathlib.Path:
+        return self.path.with_suffix(FAULTS_SUFFIX)
+
+    @property
+    def stderr_path(self) -> pathlib.Path:
+        return self.path.with_suffix(STDERR_SUFFIX)
 
     def log_faults(self) -> None:
         """Send this process' fatal-error dump (every thread's stack) to its faults file."""
-        self._faults = open(self.path.with_suffix(FAULTS_SUFFIX), "w", encoding="utf-8")  # noqa: SIM115 - for life
+        self._faults = open(self.faults_path, "w", encoding="utf-8")  # noqa: SIM115 - for the process' life
         faulthandler.enable(self._faults, all_threads=True)
+
+    def dump_stacks(self, headline: str) -> None:
+        """Write a headline and every thread's stack to the faults file (a hung process)."""
+        self._faults.write(f"{headline}\n")
+        self._faults.flush()
+        faulthandler.dump_traceback(self._faults, all_threads=True)
+        self._faults.flush()
 
     def started(self, case_run: CaseRun) -> None:
         """Say a case is about to run: if no record of it follows, the merge reports it."""
         _append(self.path.with_suffix(STARTED_SUFFIX), json.dumps(case_run.to_json(), sort_keys=True))
+        self.in_flight = case_run
 
     def write(self, record: Record) -> None:
         # ru_maxrss is in KiB on Linux: the worker's peak so far, for the benchmark.
@@ -169,6 +217,8 @@ class RecordWriter:
         record = dataclasses.replace(record, run_id=self.run_id, worker=self.worker,
                                      worker_peak_rss_mb=round(peak_mb, 1))
         _append(self.path, json.dumps(record.to_json(), sort_keys=True, allow_nan=False))
+        if self.in_flight is not None and _case_key(self.in_flight) == _case_key(record):
+            self.in_flight = None
 
     def write_kernel_time(self, seconds: float) -> None:
         _append(self.path.with_suffix(KERNEL_TIME_SUFFIX), f"{seconds:.4f}")
@@ -186,25 +236,34 @@ def kernel_times_outside_records(report_dir: pathlib.Path, run_id: str) -> list[
 # ------------------------------------------------------------------ the run
 @dataclasses.dataclass(frozen=True)
 class RunInfo:
-    """What a run was asked to verify, written when it starts: a merge done later (of a
-    run that died, or of the shards of a run) knows its start, its arguments and which
-    shard it was."""
+    """What a run was asked to verify and how it is judged, written when it starts: a merge
+    done later (of a run that died, or of the shards of a run) knows its start, its
+    arguments, which shard it was, its policy, its platform and its hypothesis profile."""
 
     run_id: str
     started: float  # time.time()
     args: tuple[str, ...] = ()
     shard: str | None = None  # "K/N" of --attncheck-shard
+    policy: Policy | None = None  # None: a run that did not say (its merge judges with the defaults)
+    platform: Platform | None = None
+    profile: str | None = None
 
     def write(self, report_dir: pathlib.Path) -> None:
         path = pathlib.Path(report_dir) / RECORDS_DIR / f"{self.run_id}{RUN_SUFFIX}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(self)))
+        data = {"run_id": self.run_id, "started": self.started, "args": list(self.args), "shard": self.shard,
+                "policy": None if self.policy is None else self.policy.to_json(),
+                "platform": None if self.platform is None else self.platform.to_json(), "profile": self.profile}
+        path.write_text(json.dumps(data))
 
     @classmethod
     def read(cls, report_dir: pathlib.Path, run_id: str) -> RunInfo | None:
         try:
             data = json.loads((pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}{RUN_SUFFIX}").read_text())
-            return cls(data["run_id"], float(data["started"]), tuple(data.get("args", ())), data.get("shard"))
+            return cls(data["run_id"], float(data["started"]), tuple(data.get("args", ())), data.get("shard"),
+                       None if data.get("policy") is None else Policy.from_json(data["policy"]),
+                       None if data.get("platform") is None else Platform.from_json(data["platform"]),
+                       data.get("profile"))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -357,21 +416,35 @@ def read_started(report_dir: pathlib.Path, run_id: str) -> tuple[list[tuple[str,
 UNFINISHED = "case started but never finished"
 
 
+# How much of a dead process' native stderr its lost cases quote.
+STDERR_QUOTED_LINES = 3
+
+
 def fatal_errors(report_dir: pathlib.Path, run_id: str) -> dict[str, str]:
-    """worker -> what killed it, from its faults file: the fatal error and where the
-    crashing thread was ("Fatal Python error: Segmentation fault at File "k.py", line 3 in
-    f"), for every process of the run that died of one."""
+    """worker -> what ended it, for every process of the run that died of a fatal error or
+    was ended by the watchdog: the fatal error and where the crashing thread was ("Fatal
+    Python error: Aborted at File "k.py", line 3 in f"), and the last lines the process wrote
+    to its native stderr before it died (XLA's message), from its faults and stderr files."""
     died = {}
     for path in run_files(report_dir, run_id, FAULTS_SUFFIX):
         lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
-        error = next((line for line in lines if line.startswith("Fatal Python error")), None)
+        error = next((line for line in lines if line.startswith(("Fatal Python error", TIMED_OUT))), None)
         if error is None:
             continue
         current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
         frame = lines[current + 1] if current is not None and current + 1 < len(lines) else ""
-        died[path.name[len(run_id) + 1:-len(FAULTS_SUFFIX)]] = f"{error} at {frame}" if frame.startswith("File") \
-            else error
+        cause = f"{error} at {frame}" if frame.startswith("File") else error
+        native = path.with_suffix(STDERR_SUFFIX)
+        tail = [line.strip() for line in (native.read_text(encoding="utf-8", errors="replace").splitlines()
+                                          if native.is_file() else ()) if line.strip()][-STDERR_QUOTED_LINES:]
+        if tail:
+            cause += f"; its native stderr ended: {' | '.join(tail)[-600:]}"
+        died[path.name[len(run_id) + 1:-len(FAULTS_SUFFIX)]] = cause
     return died
+
+
+def _case_key(run: CaseRun) -> tuple:
+    return (run.nodeid, run.case_id, run.impl, run.backend)
 
 
 def unfinished(run_id: str, started: list[tuple[str, CaseRun]], records: list[Record],
@@ -379,15 +452,15 @@ def unfinished(run_id: str, started: list[tuple[str, CaseRun]], records: list[Re
     """An error record for every case that started and never produced a record; ``fates``
     says what happened to each test that failed (nodeid -> pytest's reason), ``fatal`` what
     killed a worker that died of a fatal error (``fatal_errors``)."""
-    finished = {(r.nodeid, r.case_id, r.impl, r.backend) for r in records}
+    finished = {_case_key(r) for r in records}
     lost: dict[tuple, Record] = {}
     for worker, marker in started:
-        key = (marker.nodeid, marker.case_id, marker.impl, marker.backend)
+        key = _case_key(marker)
         if key in finished or key in lost:
             continue
         fate = fates.get(marker.nodeid) or "the run ended (killed or crashed) before the case finished"
         if fatal and worker in fatal:
-            fate = f"{fate}; the process died: {fatal[worker]} (its faults file in the report's records)"
+            fate = f"{fate}; the process died: {fatal[worker]} (its faults and stderr files in the report's records)"
         lost[key] = Record(**{f.name: getattr(marker, f.name) for f in dataclasses.fields(CaseRun)},
                            direction="all", outcome="error", reason=f"{UNFINISHED}: {fate}",
                            run_id=run_id, worker=worker)

@@ -22,7 +22,7 @@ from attncheck.report.records import Record
 REPORT_FILES = ("report.json", "report.md", "report.html")
 
 
-def write(directory: pathlib.Path, report: Report, *, accepted: list[acc.AcceptedBudget] | None = None,
+def write(directory: pathlib.Path, report: Report, *, accepted: acc.AcceptedBudgets | None = None,
           regression_floor: float = acc.REGRESSION_FLOOR) -> None:
     """Write every report file (each whole, then renamed: a reader never sees half a file),
     record a complete run in the directory's budget history, and append the Markdown to
@@ -86,12 +86,22 @@ def md_code(text) -> str:
     return f"<code>{html.escape(' '.join(str(text).split()), quote=True).replace('|', '&#124;')}</code>"
 
 
+def platform_line(report: Report) -> str:
+    """What the numbers of the report belong to."""
+    if report.platform is None:
+        where = "not known (a run that did not record it, or shards of different platforms)"
+    else:
+        where = report.platform.describe() + (f" ({report.platform.cpu})" if report.platform.cpu else "")
+    return where + (f"; hypothesis profile {report.profile}" if report.profile else "")
+
+
 def render_markdown(report: Report) -> str:
     totals, failing = report.totals, report.failing
     wall = "wall unknown" if report.wall_s is None else f"wall {report.wall_s:.0f} s"
     out = [f"# attncheck: {report.verdict}", "",
            f"{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; "
-           f"{wall}; run {md_code(report.run_id)}" + ("" if report.complete else " (**incomplete**)"), ""]
+           f"{wall}; run {md_code(report.run_id)}" + ("" if report.complete else " (**incomplete**)"), "",
+           f"Platform: {md(platform_line(report))}", ""]
     if report.shard is not None:
         shard = report.shard
         out += [f"Shard {shard.name} of a run: {shard.tests} of its {shard.collection_size} tests. "
@@ -101,6 +111,9 @@ def render_markdown(report: Report) -> str:
         out += ["## Nothing verified", ""] + [f"- {md(p)}" for p in report.unverified] + [""]
     if report.problems:
         out += ["## Gate problems", ""] + [f"- {md(p)}" for p in report.problems] + [""]
+    if report.budget_differences:
+        out += ["## Budgets above the accepted ones, not judged", ""] + [f"- {md(p)}" for p in report.budget_differences] \
+            + [""]
     if report.limitations:
         out += ["## Not runnable in interpret mode", ""] + [f"- {md(p)}" for p in report.limitations] + [""]
     if failing:
@@ -319,7 +332,7 @@ def _overview_heatmap(report: Report) -> str:
                          row_groups=[g[0] for g in groups])
 
 
-def _trend(report: Report, accepted: list[acc.AcceptedBudget] | None, floor: float,
+def _trend(report: Report, accepted: acc.AcceptedBudgets | None, floor: float,
            earlier: list[history.Entry]) -> str:
     if accepted is None and not earlier:
         return ("<p class='nodata'>Budget trend: no accepted budgets given (<code>--attncheck-accepted-budgets</code>, "
@@ -331,7 +344,7 @@ def _trend(report: Report, accepted: list[acc.AcceptedBudget] | None, floor: flo
                                  s.row.worst_budget, s.accepted, s.limit,
                                  tuple((e.run_id, e.budgets[key]) for e in earlier
                                        if (key := history.group_key(s.row)) in e.budgets))
-                  for s in acc.standings(rows, accepted or [], floor)]
+                  for s in acc.standings(rows, accepted, floor)]
     # The closest to (or furthest past) their regression limit first.
     trend_rows.sort(key=lambda r: -(r.now / r.limit if r.limit else r.now))
     more = len(trend_rows) - MAX_TREND_ROWS
@@ -342,7 +355,7 @@ def _trend(report: Report, accepted: list[acc.AcceptedBudget] | None, floor: flo
                     if more > 0 else "")
 
 
-def render_html(report: Report, accepted: list[acc.AcceptedBudget] | None = None,
+def render_html(report: Report, accepted: acc.AcceptedBudgets | None = None,
                 floor: float = acc.REGRESSION_FLOOR, earlier: list[history.Entry] = ()) -> str:
     """report.html: one self-contained file (inline SVG and CSS, a few lines of script for
     the copy buttons; nothing loaded from the network or the disk). ``earlier``: the budget
@@ -401,6 +414,7 @@ def render_html(report: Report, accepted: list[acc.AcceptedBudget] | None = None
                                                                 "cases", "failures", "worst_budget", "worst_case"))
         + "</tr>" for row in report.summary)
     problems = "".join(f"<li>{esc(p)}</li>" for p in [*report.unverified, *report.problems])
+    differences = "".join(f"<li>{esc(p)}</li>" for p in report.budget_differences)
     skipped = "".join(f"<li><code>{esc(s.backend)}</code>: {esc(s.reason)}</li>" for s in report.skipped_backends)
     limitations = "".join(f"<li>{esc(line)}</li>" for line in report.limitations)
     coverage = "".join(
@@ -438,8 +452,10 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 <h1>attncheck report</h1>
 <p class="status {'pass' if ok else 'fail'}">{esc(report.verdict)}</p>
 <p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; run <code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
+<p class="note">Platform: {esc(platform_line(report))}</p>
 <p class="nav">{nav}</p>
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
+{'<h2>Budgets above the accepted ones, not judged</h2><ul>' + differences + '</ul>' if differences else ''}
 {failures}
 {'<h2>Not runnable in interpret mode</h2><ul>' + limitations + '</ul>' if limitations else ''}
 <h2 id="overview">Overview</h2>

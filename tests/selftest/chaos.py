@@ -1,8 +1,9 @@
 """Misbehaving implementations of the toy conventions, for the reliability self-tests.
 
 Each has the toy family's calling convention ``fn(q, k, v, *, causal, sm_scale)`` and
-breaks the gate's assumptions in one way: it hangs (while tracing, or inside a jax host
-callback, as an interpret-mode deadlock does), kills its process, returns the wrong
+breaks the gate's assumptions in one way: it hangs (while tracing, inside a jax host
+callback, or inside a host callback behind interpret-mode Pallas kernels, where XLA runs
+it off the main thread as it runs an interpreted kernel's deadlock), kills its process, returns the wrong
 shape, dtype or structure, returns NaN everywhere, raises with markup in its message, or
 handles invalid input its own way (accepts it, rejects it vaguely, or with its own
 exception class).
@@ -15,10 +16,14 @@ call them too): they misbehave in one way only.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from tests.selftest.toy_spec import toy_attention, validate
 
@@ -45,6 +50,48 @@ def hang_in_callback(q, k, v, *, causal: bool, sm_scale: float):
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale) + jax.lax.stop_gradient(stuck).astype(q.dtype)
 
 
+# If set, the file hang_behind_pallas's callback writes the name of the thread it runs on.
+CALLBACK_THREAD_ENV = "ATTNCHECK_CHAOS_CALLBACK_THREAD"
+
+
+def _doubled(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+def _interpreted(x):
+    """A real Pallas kernel in TPU interpret mode, over a grid of 8-row blocks."""
+    return pl.pallas_call(_doubled, grid=(x.shape[0] // 8,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=pltpu.InterpretParams())(x)
+
+
+def _forever_off_the_main_thread(*_):
+    if path := os.environ.get(CALLBACK_THREAD_ENV):
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{threading.current_thread() is threading.main_thread()}\n")
+    _forever()
+
+
+def hang_behind_pallas(q, k, v, *, causal: bool, sm_scale: float):
+    """On each of 2 simulated devices, an interpret-mode Pallas kernel, then a host callback
+    that never returns. XLA runs a program of several devices on threads of its own while
+    the main thread waits in native code for them (measured with jax 0.12: the callbacks'
+    threads are never the main one), as it does a ring kernel whose interpreted DMA or
+    semaphore wait hangs: pytest-timeout's SIGALRM never reaches the test, and only the
+    watchdog ends it."""
+    validate(q, k, v)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("devices",))
+
+    def per_device(x):
+        done = _interpreted(x)
+        return jax.pure_callback(_forever_off_the_main_thread, jax.ShapeDtypeStruct(done.shape, done.dtype), done)
+
+    x = jax.lax.stop_gradient(jnp.broadcast_to(q.sum().astype(jnp.float32), (16, 128)))
+    spec = jax.sharding.PartitionSpec("devices")
+    stuck = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+    return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale) + jax.lax.stop_gradient(stuck.sum()).astype(q.dtype)
+
+
 def _on_call(name: str, misbehave) -> None:
     _calls[name] += 1
     if _calls[name] >= MISBEHAVE_AT:
@@ -56,8 +103,17 @@ def exit_process(q, k, v, *, causal: bool, sm_scale: float):
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
+# What abort_process writes to file descriptor 2 before it aborts, as XLA does its reason.
+NATIVE_LAST_WORDS = "F0000 00:00:00.000000 toy.cc:1] Check failed: the toy's native invariant"
+
+
+def _abort_with_a_native_message() -> None:
+    os.write(2, f"{NATIVE_LAST_WORDS}\n".encode())
+    os.abort()
+
+
 def abort_process(q, k, v, *, causal: bool, sm_scale: float):
-    _on_call("abort", os.abort)
+    _on_call("abort", _abort_with_a_native_message)
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)
 
 

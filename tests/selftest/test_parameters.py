@@ -16,6 +16,7 @@ import pytest
 
 from attncheck import compiled, parameters
 from attncheck.report import merge
+from attncheck.report.policy import Policy
 from attncheck.report import records as rec
 from tests.selftest import test_report, toy_spec
 
@@ -139,7 +140,7 @@ def test_cases_whose_call_could_not_be_probed_are_a_coverage_problem(tmp_path):
 
     def problems(require_coverage):
         return merge.merge(tmp_path, test_report.RUN_ID, merge.RunOutcome(complete=True),
-                           applicable={"toy_attention": ()}, require_coverage=require_coverage).problems
+                           Policy(applicable={"toy_attention": ()}, require_coverage=require_coverage)).problems
 
     assert problems(True) == ["parameter coverage: toy_attention: the call of 1 case(s) could not be probed "
                               "(attncheck.parameters), so their parameters are unknown"]

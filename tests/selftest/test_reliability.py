@@ -145,6 +145,61 @@ def test_a_hang_stops_its_test_once_names_the_case_and_the_run_goes_on(gate_dir,
                for r in hung), [r["reason"] for r in hung]
 
 
+# How each way of running the gate meets a hang no signal reaches: the command, whether the
+# run goes on past it (the watchdog ends a worker, xdist starts another) or ends with a verdict.
+UNREACHABLE_HANG_RUNS = {
+    "attncheck gate -n 0": (("gate", "-n", "0"), True),  # runs as -n 1
+    "pytest -n 2": (("-n", "2"), True),
+    "pytest -n 0": (("-n", "0"), False),
+}
+
+
+@pytest.mark.parametrize("how", sorted(UNREACHABLE_HANG_RUNS))
+def test_a_hang_no_signal_reaches_ends_within_twice_its_limit_and_names_the_case(gate_dir, pytester, monkeypatch,
+                                                                               tmp_path, how):
+    """A host callback behind real interpret-mode Pallas kernels that never returns: the
+    main thread waits in native code, pytest-timeout's SIGALRM never lands, and the watchdog
+    ends the process at 1.5 x the limit with the case's error record."""
+    args, goes_on = UNREACHABLE_HANG_RUNS[how]
+    threads = tmp_path / "callback-threads"
+    monkeypatch.setenv(chaos.CALLBACK_THREAD_ENV, str(threads))
+    hang = (impl("hang_behind_pallas"), f"--timeout={SHORT_TIMEOUT_S}", "--attncheck-report=rep")
+    start = time.monotonic()
+    if args[0] == "gate":
+        proc = toy_spec.cli(gate_dir, *args, *toy_spec.GATE_ARGS[2:], *hang)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+        assert "-n 0 runs as -n 1" in output, output
+    else:
+        result = pytester.runpytest_subprocess(*toy_spec.GATE_ARGS, *args, *hang, timeout=toy_spec.RUN_TIMEOUT_S)
+        rc, output = result.ret, result.stdout.str()
+    elapsed = time.monotonic() - start
+    # The mechanism under test: the callback ran, and not on the main thread.
+    assert threads.read_text().split()[:1] == ["False"], threads.read_text() if threads.exists() else "no callback"
+    assert rc != 0, output
+    report = report_of(gate_dir)
+    assert report["verdict"] == "FAIL", report["verdict"]
+    hung = [r for r in report["records"] if r["outcome"] == "error"]
+    assert hung and all(named(r) for r in hung), report["records"]
+    # Each hung case names its timeout. jax's wait for a program looks at Python's signals
+    # now and then, so a later case may still end by the signal; the first one cannot.
+    assert all(re.search(rf"timed out after {SHORT_TIMEOUT_S:g} s|Timeout \(?>{SHORT_TIMEOUT_S:.1f}s", r["reason"])
+               for r in hung), [r["reason"] for r in hung]
+    ended = [r for r in hung if r["reason"].startswith(f"timed out after {SHORT_TIMEOUT_S:g} s (the test's limit")]
+    assert ended, [r["reason"] for r in hung]
+    faults = (gate_dir / "rep" / "records").glob("*.faults")
+    assert any("_forever_off_the_main_thread" in f.read_text() for f in faults)  # every thread's stack
+    if goes_on:
+        # Both gate tests hung; the invalid-input tests ran after them.
+        invalid = len(toy_spec.SPEC.invalid_calls(chaos.hang_behind_pallas))
+        assert len(hung) == 2 and report["problems"] == [], report["problems"]
+        assert f"2 failed, {invalid} passed" in output, output
+    else:
+        # One process ran everything: the watchdog's end of it ends the run, with a verdict.
+        assert any(p.startswith("the run ended at ") for p in report["problems"]), report["problems"]
+    # Startup, tracing, and each hang ended at 1.5 x the limit at most: inside twice it.
+    assert elapsed < len(hung) * 2 * SHORT_TIMEOUT_S + 90, elapsed
+
+
 @pytest.mark.parametrize("name", ["exit_process", "abort_process"])
 def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir, pytester, name):
     result = toy_spec.run_gate(pytester, "rep", impl(name), "-n", "2", "-k", "drawn")
@@ -157,9 +212,11 @@ def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir,
     assert len(lost) == 1 and named(lost[0]) and "crashed" in lost[0]["reason"], lost
     # An abort is a fatal signal: the reason says what killed the worker and where; an
     # exit is no crash of the interpreter and leaves no dump.
-    fatal = re.search(r"the process died: Fatal Python error: Aborted at File \S*chaos\.py\", line \d+ in _on_call",
-                      lost[0]["reason"])
+    fatal = re.search(r"the process died: Fatal Python error: Aborted at File \S*chaos\.py\", line \d+ in "
+                      r"_abort_with_a_native_message", lost[0]["reason"])
     assert bool(fatal) is (name == "abort_process"), lost[0]["reason"]
+    # What the process wrote to its file descriptor 2 before it died (XLA's reason) too.
+    assert (f"its native stderr ended: {chaos.NATIVE_LAST_WORDS}" in lost[0]["reason"]) is (name == "abort_process")
     result.stdout.fnmatch_lines(
         [f"LOST CASE: {lost[0]['case_id']} (user, {lost[0]['backend']}): case started but never finished: worker*"])
 

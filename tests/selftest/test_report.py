@@ -19,8 +19,10 @@ import pytest
 
 from attncheck import accepted, check, coverage, numerics
 from attncheck.backends import BACKENDS
+from attncheck.env import Platform
 from attncheck.report import errormap, history, merge, model, render
 from attncheck.report import records as rec
+from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import Record
 from tests.selftest import toy_spec
 
@@ -34,6 +36,8 @@ RUN_ID = "20260101T0000001234"
 XSS = "<script>alert(1)</script>"
 SVG_NS = "http://www.w3.org/2000/svg"
 APPLICABLE = {"toy_attention": ("causal", "bf16")}
+POLICY = Policy(applicable=APPLICABLE)
+PLATFORM = Platform("x86_64", "AVX2", 32, "0.12.0.1", "0.12.0.1", "2.5.5")
 
 
 def _strict_json(text: str):
@@ -74,14 +78,15 @@ def record(case: str = "c0", *, kernel: str = "toy_attention", impl: str = "buil
 
 
 def report_of(records: list[Record], **overrides) -> model.Report:
+    declared = overrides.pop("declared", {})
     options = dict(run_id=RUN_ID, complete=True, problems=[], unverified=[], skipped_backends=[],
-                   applicable=APPLICABLE, wall_s=1.0)
+                   policy=Policy(applicable=APPLICABLE, declared=declared), wall_s=1.0)
     return model.build(records, **{**options, **overrides})
 
 
 def merged(directory, **outcome) -> model.Report:
     """Merge a hand-written run directory as the plugin does, and write its reports."""
-    report = merge.merge(directory, RUN_ID, merge.RunOutcome(**{"complete": True, **outcome}), applicable=APPLICABLE)
+    report = merge.merge(directory, RUN_ID, merge.RunOutcome(**{"complete": True, **outcome}), POLICY)
     render.write(directory, report)
     return report
 
@@ -159,15 +164,18 @@ def test_schema_follows_the_code():
     built = report_of([record()]).to_json()
     assert set(SCHEMA["required"]) == set(built)
     assert set(SCHEMA["properties"]) == set(built) | {"regressions", "shard"}
+    assert set(SCHEMA["$defs"]["platform"]["required"]) == {f.name for f in dataclasses.fields(Platform)}
+    assert set(SCHEMA["$defs"]["policy"]["required"]) == {f.name for f in dataclasses.fields(Policy)}
     assert set(SCHEMA["$defs"]["summary_row"]["required"]) == set(built["summary"][0])
     REPORT_VALIDATOR.validate(json.loads(json.dumps(built)))
+    policy = Policy(applicable=APPLICABLE, require_coverage=True, accepted_budgets=None,
+                    # As a spec declares them: a read-only class-level mapping.
+                    fixed_parameters={"toy_attention": types.MappingProxyType({"sm_scale": "fixed"})},
+                    regression_floor=0.3, declared={"toy_attention": DECLARED})
     shard = model.ShardInfo(2, 4, tests=3, collection_size=9, collection_digest="0123456789abcdef",
-                            asked={"toy_attention-builtin-xla": {"passed": 2}}, unavailable=(),
-                            applicable=APPLICABLE, require_coverage=True, accepted_budgets=None,
-                            # As a spec declares them: a read-only class-level mapping.
-                            fixed_parameters={"toy_attention": types.MappingProxyType({"sm_scale": "fixed"})},
-                            regression_floor=0.3, declared={"toy_attention": DECLARED})
-    sharded = report_of([record()], shard=shard, declared={"toy_attention": DECLARED}).to_json()
+                            asked={"toy_attention-builtin-xla": {"passed": 2}}, unavailable=(), policy=policy)
+    sharded = report_of([record()], shard=shard, declared={"toy_attention": DECLARED}, platform=PLATFORM,
+                        profile="ci").to_json()
     assert model.ShardInfo.from_json(sharded["shard"]) == shard
     assert set(SCHEMA["$defs"]["shard"]["required"]) == set(sharded["shard"]) == {
         f.name for f in dataclasses.fields(model.ShardInfo)}
@@ -244,46 +252,54 @@ def _row(worst_budget: float, dtype: str = "float32", impl: str = "builtin", dir
                             worst_budget=worst_budget, worst_case="toy_attention-000000000000", worst_repro="attncheck repro x")
 
 
-def _accepted(budget: float, impl: str = "builtin") -> list[accepted.AcceptedBudget]:
-    return [accepted.AcceptedBudget("toy_attention", impl, "xla", "float32", "out", budget)]
+def _accepted(*budgets: tuple[float, str]) -> accepted.AcceptedBudgets:
+    return accepted.AcceptedBudgets(tuple(accepted.AcceptedBudget("toy_attention", impl, "xla", "float32", "out", b)
+                                          for b, impl in budgets), PLATFORM, "ci")
+
+
+def _regressions(rows, budgets, platform=PLATFORM, profile="ci") -> list[str]:
+    found, differences = accepted.judge(rows, budgets, accepted.REGRESSION_FLOOR, platform, profile)
+    assert not differences
+    return found
 
 
 @pytest.mark.parametrize("accepted_budget", [0.5, 0.0])  # 0.0: the noise floor applies
 def test_regression_factor_boundary(accepted_budget):
-    budgets = _accepted(accepted_budget)
+    budgets = _accepted((accepted_budget, "builtin"))
     limit = accepted.REGRESSION_FACTOR * max(accepted_budget, accepted.REGRESSION_FLOOR)
-    assert accepted.regressions([_row(limit)], budgets) == []  # at the limit: accepted
-    assert accepted.regressions([_row(limit / 2)], budgets) == []
-    found = accepted.regressions([_row(math.nextafter(limit, math.inf))], budgets)
+    assert _regressions([_row(limit)], budgets) == []  # at the limit: accepted
+    assert _regressions([_row(limit / 2)], budgets) == []
+    found = _regressions([_row(math.nextafter(limit, math.inf))], budgets)
     assert len(found) == 1
     assert found[0].startswith("numerics regression: toy_attention/builtin/xla/float32/out worst budget")
     assert "toy_attention-000000000000" in found[0]
     # A group the accepted budgets do not know is new, not a regression.
-    assert accepted.regressions([_row(100.0, dtype="bfloat16")], budgets) == []
+    assert _regressions([_row(100.0, dtype="bfloat16")], budgets) == []
 
 
 def test_regressions_compare_each_implementation_with_its_own_budget():
-    budgets = _accepted(0.4) + _accepted(0.6, impl="lse")
+    budgets = _accepted((0.4, "builtin"), (0.6, "lse"))
     # lse's own accepted budget is 0.6: 0.8 is no regression although builtin's is 0.4.
-    assert accepted.regressions([_row(0.8, impl="lse")], budgets) == []
-    assert accepted.regressions([_row(0.91, impl="lse")], budgets)[0].startswith(
+    assert _regressions([_row(0.8, impl="lse")], budgets) == []
+    assert _regressions([_row(0.91, impl="lse")], budgets)[0].startswith(
         "numerics regression: toy_attention/lse/xla/")
     # A user's implementation is held to the built-in budgets; an unknown impl is new.
-    assert accepted.regressions([_row(0.61, impl="user")], budgets)[0].startswith(
+    assert _regressions([_row(0.61, impl="user")], budgets)[0].startswith(
         "numerics regression: toy_attention/user/xla/")
-    assert accepted.regressions([_row(5.0, impl="chunked")], budgets) == []
+    assert _regressions([_row(5.0, impl="chunked")], budgets) == []
 
 
 def test_accepted_budgets_are_the_passing_rows_of_the_familys_own_implementations(tmp_path):
     rows = [_row(0.4), _row(0.9, "bfloat16", failures=1), _row(0.3, impl="user", direction="dq"),
             _row(0.2, direction="dk"), _row(0.6, impl="lse")]
-    budgets = accepted.from_summary(rows)
-    assert [(b.impl, b.direction, b.worst_budget) for b in budgets] == [
+    budgets = accepted.from_summary(rows, PLATFORM, "ci")
+    assert [(b.impl, b.direction, b.worst_budget) for b in budgets.budgets] == [
         ("builtin", "out", 0.4), ("builtin", "dk", 0.2), ("lse", "out", 0.6)]
+    assert (budgets.platform, budgets.profile) == (PLATFORM, "ci")
     accepted.write(tmp_path / "accepted.json", budgets)
     assert accepted.read(tmp_path / "accepted.json") == budgets  # the file round-trips
     # Accepting a run's budgets and checking the same run against them flags nothing.
-    assert accepted.regressions(rows, budgets) == []
+    assert _regressions(rows, budgets) == []
 
 
 @pytest.mark.parametrize("content, message", [
@@ -318,12 +334,12 @@ def test_markdown_lists_failures_with_reproducers_and_stays_short():
     assert all(len(re.split(r"(?<!\\)\|", row)) == 9 for row in failure_rows)
 
 
-DECLARED = model.Declared(contracts=("pages are computed with as bfloat16",),
+DECLARED = Declared(contracts=("pages are computed with as bfloat16",),
                           findings=("a q block that visits no kv block outputs NaN",))
 
 
 def test_the_report_says_which_properties_are_contracts_and_which_are_findings():
-    report = report_of([record()], declared={"toy_attention": DECLARED, "other": model.Declared()})
+    report = report_of([record()], declared={"toy_attention": DECLARED, "other": Declared()})
     assert report.declared == {"toy_attention": DECLARED}  # a family that declares nothing is left out
     markdown = render.render_markdown(report)
     assert ("## Contracts and findings" in markdown
@@ -444,7 +460,7 @@ def _with_maps(records: list[Record]) -> list[Record]:
 
 def test_html_is_self_contained_escaped_valid_and_draws_every_plot():
     records = _with_maps(_html_records())
-    budgets = [accepted.AcceptedBudget("toy_attention", "builtin", "xla", "float32", "out", 0.2)]
+    budgets = _accepted((0.2, "builtin"))
     report = report_of(records, problems=[f"problem with <b>markup</b> {XSS}"],
                        skipped_backends=[model.SkippedBackend("tpu", "no TPU <none>")])
     page = render.render_html(report, budgets)

@@ -26,6 +26,7 @@ from attncheck import accepted, check
 from attncheck.backends import BACKENDS
 from attncheck.report import errormap, merge, model, render
 from attncheck.report import records as rec
+from attncheck.report.policy import Policy
 from tests.selftest import toy_spec
 from tests.selftest.chromium import INSTALL_HINT, Chromium, find_executable
 
@@ -91,9 +92,10 @@ def write_toy_report(directory: pathlib.Path, impls: dict) -> model.Report:
             for record in check.check_case(target, toy_case(seed, causal, dtype, seq_len), maps=maps,
                                            nodeid=f"test_report_browser.py::{impl_name}").records:
                 writer.write(record)
-    report = merge.merge(directory, RUN_ID, merge.RunOutcome(complete=True), applicable=APPLICABLE)
-    budgets = [accepted.AcceptedBudget(r.kernel, r.impl, r.backend, r.dtype, r.direction, 0.5 * r.budget)
-               for r in report.records if r.impl == "builtin" and r.case["seed"] == 1]
+    report = merge.merge(directory, RUN_ID, merge.RunOutcome(complete=True), Policy(applicable=APPLICABLE))
+    budgets = accepted.AcceptedBudgets(tuple(
+        accepted.AcceptedBudget(r.kernel, r.impl, r.backend, r.dtype, r.direction, 0.5 * r.budget)
+        for r in report.records if r.impl == "builtin" and r.case["seed"] == 1))
     render.write(directory, report, accepted=budgets)
     return report
 

@@ -16,8 +16,10 @@ import jsonschema
 import pytest
 
 from attncheck import accepted, scheduling
+from attncheck.env import Platform
 from attncheck.mutation import runner
 from attncheck.report import merge, model, render
+from attncheck.report.policy import Policy
 from attncheck.report import records as rec
 from tests.selftest import toy_spec
 from tests.selftest.test_report import APPLICABLE, record
@@ -126,17 +128,18 @@ def test_the_shards_of_the_mutant_catalogue_partition_it():
 TARGET = "toy_attention-builtin-xla"
 
 
-def shard_info(index: int, count: int = 3, **overrides) -> model.ShardInfo:
+def shard_info(index: int, count: int = 3, fixed_parameters=None, **overrides) -> model.ShardInfo:
     values = dict(tests=1, collection_size=count, collection_digest="0123456789abcdef",
-                  asked={TARGET: {"passed": 1}}, unavailable=(), applicable=APPLICABLE, fixed_parameters={}, require_coverage=True,
-                  accepted_budgets=None, regression_floor=1 / 3)
+                  asked={TARGET: {"passed": 1}}, unavailable=(),
+                  policy=Policy(applicable=APPLICABLE, fixed_parameters=fixed_parameters or {}, require_coverage=True))
     return model.ShardInfo(index, count, **{**values, **overrides})
 
 
 def write_shard(directory, records, info: model.ShardInfo | None, **overrides):
     report = model.build(records, **{**dict(run_id=f"run{info.index if info else 0}", complete=True, wall_s=2.0,
                                             problems=[], unverified=[], skipped_backends=[],
-                                            applicable=APPLICABLE, shard=info), **overrides})
+                                            policy=info.policy if info else Policy(applicable=APPLICABLE),
+                                            shard=info), **overrides})
     render.write(directory, report)
     return directory
 
@@ -164,7 +167,7 @@ def test_the_merge_judges_coverage_and_what_was_verified_on_the_whole_run(shards
     # Each class is exercised by one shard only, and shard 3 verified nothing alone: the run
     # as a whole did both, as one unsharded run would say.
     whole = model.build(sorted(report.records, key=lambda r: r.key), run_id="whole", complete=True, wall_s=2.0,
-                        problems=[], unverified=[], skipped_backends=[], applicable=APPLICABLE)
+                        problems=[], unverified=[], skipped_backends=[], policy=Policy(applicable=APPLICABLE))
     assert (report.verdict, report.problems, report.unverified) == ("PASS", [], [])
     assert report.coverage == whole.coverage and report.summary == whole.summary and report.totals == whole.totals
     assert {c: n.cases for c, n in report.coverage["toy_attention"].items()} == {"causal": 1, "bf16": 1}
@@ -197,11 +200,14 @@ def test_the_merge_judges_parameter_coverage_on_the_whole_run(tmp_path):
 def test_a_shard_leaves_coverage_holes_and_regressions_to_the_merge(tmp_path):
     rec.RecordWriter(tmp_path, "run1", "main").write(record("causal", classes=("causal",), budget=0.9))
     budgets = tmp_path / "accepted.json"
-    accepted.write(budgets, accepted.from_summary(model.summarize([record("causal", budget=0.1)])))
+    platform = Platform("x86_64", "AVX2", 32, "0.12.0.1", "0.12.0.1", "2.5.5")
+    accepted.write(budgets, accepted.from_summary(model.summarize([record("causal", budget=0.1)]), platform, "ci"))
+    rec.RunInfo("run1", 0.0, platform=platform, profile="ci").write(tmp_path)
 
     def merged(shard):
-        return merge.merge(tmp_path, "run1", merge.RunOutcome(complete=True), applicable=APPLICABLE,
-                           require_coverage=True, accepted_path=str(budgets), shard=shard)
+        return merge.merge(tmp_path, "run1", merge.RunOutcome(complete=True),
+                           Policy(applicable=APPLICABLE, require_coverage=True, accepted_budgets=str(budgets)),
+                           shard=shard)
 
     # Alone, the run never exercised bf16 and its worst budget grew 9x ...
     whole = merged(None)

@@ -1,0 +1,100 @@
+"""One commit, one verdict: a run fixes the code its numbers come from (``attncheck.env``),
+so that the same case gives the same errors and budgets on every runner of a platform,
+whatever the caller's XLA_FLAGS. Each probe runs in a fresh process: XLA and NumPy choose
+their code when they start."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from attncheck import env
+from tests.selftest.toy_spec import REPO_ROOT
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+# Prints a digest of each computation whose rounding depends on the code it runs as (each
+# was measured to differ between two settings on an AVX-512 host).
+PROBE = r"""
+import hashlib, json, os, sys
+from attncheck import env
+for warning in env.configure():
+    print(warning, file=sys.stderr)
+import jax, jax.numpy as jnp, ml_dtypes, numpy as np
+rng = np.random.default_rng(0)
+digest = lambda x: hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+a, b = rng.standard_normal((1, 2048)).astype(np.float32), rng.standard_normal((2048, 4)).astype(np.float32)
+x = rng.standard_normal((64, 512)).astype(np.float32)
+p = rng.standard_normal((8, 64)).astype(ml_dtypes.bfloat16)
+r = rng.standard_normal((64, 16)).astype(ml_dtypes.bfloat16)
+long_a = rng.standard_normal((4, 400000)).astype(np.float32)
+long_b = rng.standard_normal((400000, 4)).astype(np.float32)
+bf16_dot = np.asarray(jax.jit(lambda p, r: jnp.dot(p, r, preferred_element_type=jnp.float32))(p, r))
+in_order = np.zeros((8, 16), np.float32)
+for i in range(64):  # bfloat16 products are exact in float32: one rounding per addition
+    in_order = (in_order + p[:, i:i + 1].astype(np.float32) * r[i:i + 1].astype(np.float32)).astype(np.float32)
+print(json.dumps({
+    "xla dot": digest(jax.jit(jnp.dot)(a, b)),
+    "xla exp": digest(jax.jit(lambda x: jnp.exp(x) + jnp.tanh(x))(x)),
+    "xla long dot": digest(jax.jit(jnp.dot)(long_a, long_b)),
+    "bfloat16 dot in order": bool(np.array_equal(bf16_dot, in_order)),
+    "numpy exp": digest(np.exp(x.astype(np.float64)) + np.log1p(np.abs(x.astype(np.float64)))),
+}))
+"""
+
+
+def _probe(**environ: str) -> dict:
+    run_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", env.ISA_ENV, "PJRT_NPROC",
+                                                                env.NUMPY_DISABLE_ENV, "JAX_PLATFORMS")}
+    run_env.update(PYTHONPATH=str(REPO_ROOT), **environ)
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=run_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not X86, reason="the instruction sets fixed and compared are x86-64's")
+def test_the_callers_xla_flags_do_not_change_a_runs_numbers():
+    fixed = _probe()
+    for isa in ("SSE4_2", "AVX512"):
+        assert _probe(XLA_FLAGS=f"--xla_cpu_max_isa={isa}") == fixed, isa
+    # The probe can tell: with the code left to the host, SSE4.2 code computes otherwise.
+    assert _probe(XLA_FLAGS="--xla_cpu_max_isa=SSE4_2", **{env.ISA_ENV: env.HOST})["xla dot"] != fixed["xla dot"]
+
+
+def test_a_bfloat16_dot_sums_its_products_in_order():
+    """XLA's YNNPACK dots pick their kernel by the CPU, whatever --xla_cpu_max_isa says: on a
+    host with AVX512-BF16 they sum each pair of products odd element first. Off, the dot sums
+    in order on every host."""
+    assert _probe()["bfloat16 dot in order"]
+
+
+def test_a_long_dot_is_the_same_on_a_host_of_many_cpus():
+    """Eigen splits a long contraction across XLA's threads, as many as there are CPUs or
+    simulated devices (8), whichever is more: measured, a [4, 400000] x [400000, 4] dot
+    differs between 8 and 16 threads. A run holds XLA at 8 whatever the host has (a host
+    of 16 CPUs is simulated with PJRT_NPROC, which the run replaces)."""
+    assert _probe(PJRT_NPROC="16")["xla long dot"] == _probe()["xla long dot"]
+
+
+def test_the_levels_and_what_a_host_without_them_gets():
+    avx2 = env.X86_LEVELS["AVX2"][0]
+    assert env.effective_isa("AVX2", "x86_64", avx2 | {"avx512f"}) == "AVX2"
+    assert env.effective_isa("AVX2", "x86_64", frozenset({"sse4_2", "avx"})) == "AVX"  # an older CPU: its own
+    assert env.effective_isa("AVX512", "x86_64", avx2) == "AVX2"
+    assert env.effective_isa("AVX2", "aarch64", frozenset()) == env.HOST
+    assert env.effective_isa(env.HOST, "x86_64", avx2) == env.HOST
+    flags, variables = env.codegen_settings("AVX2", "x86_64")
+    assert "--xla_cpu_max_isa=AVX2" in flags and "--xla_cpu_experimental_ynn_fusion_type=" in flags
+    assert variables == {"PJRT_NPROC": "1", env.NUMPY_DISABLE_ENV: "X86_V4 AVX512_ICL AVX512_SPR"}
+    assert env.codegen_settings(env.HOST, "x86_64") == ([], {})
+
+
+def test_an_unknown_instruction_set_is_named(monkeypatch):
+    monkeypatch.setenv(env.ISA_ENV, "AVX3")
+    with pytest.raises(ValueError, match=r"\$ATTNCHECK_CPU_ISA='AVX3': expected one of SSE4_2, AVX, AVX2, AVX512"):
+        env.requested_isa()
