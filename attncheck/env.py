@@ -65,6 +65,15 @@ X86_LEVELS: Mapping[str, tuple[frozenset[str], tuple[str, ...]]] = {
 LIBRARIES_OFF = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimental_xnn_fusion_type=",
                  "--xla_cpu_use_xnnpack=false", "--xla_cpu_use_onednn=false")
 MAX_ISA_FLAG = "--xla_cpu_max_isa"
+# XLA ends the process (SIGABRT) when a device reaches a collective more than its stuck
+# warning's and its termination's timeouts (20 + 40 s) after another: measured, a 2-device
+# psum whose first device arrives 75 s late aborts 60 s in, with "Termination timeout ...
+# Exiting to ensure a consistent program state". Interpreted
+# kernels on several simulated devices, GIL-bound and on a loaded 2-core runner, can be that
+# late without any deadlock. A run waits for them; a real deadlock is the watchdog's to end
+# (attncheck.watchdog: a failing record naming the timeout, every thread's stack).
+COLLECTIVE_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=86400",
+                    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
 NUMPY_DISABLE_ENV = "NPY_DISABLE_CPU_FEATURES"
 PJRT_THREADS_ENV = "PJRT_NPROC"
 
@@ -192,10 +201,11 @@ def codegen_settings(isa: str, machine: str) -> tuple[list[str], dict[str, str]]
 
 def configure() -> list[str]:
     """Pin the CPU platform unless a TPU is present (jax would probe for accelerators on
-    every worker start), ask XLA for HOST_DEVICE_COUNT CPU devices, and fix the code
-    generation (``$ATTNCHECK_CPU_ISA``). A platform or device count the user chose wins;
-    the code generation replaces what the caller's XLA_FLAGS say of it (the records would
-    otherwise depend on the caller). Processes started afterwards (xdist workers, a
+    every worker start), ask XLA for HOST_DEVICE_COUNT CPU devices, fix the code generation
+    (``$ATTNCHECK_CPU_ISA``) and let collectives wait for a late device (COLLECTIVE_FLAGS).
+    A platform or device count the user chose wins; the code generation and the collective
+    timeouts replace what the caller's XLA_FLAGS say of them (the records would otherwise
+    depend on the caller). Processes started afterwards (xdist workers, a
     mutant's gate) inherit it all. Returns warnings: what could not be applied because jax
     or NumPy had already started."""
     warnings = []
@@ -209,12 +219,13 @@ def configure() -> list[str]:
     machine = _host.machine()
     flags, variables = codegen_settings(isa if isa == HOST else effective_isa(isa, machine, _cpuinfo()[1]),
                                         machine)
+    flags = [*flags, *COLLECTIVE_FLAGS]
     current = os.environ.get("XLA_FLAGS", "")
     replaced = [f for f in current.split() if f.split("=", 1)[0] in {g.split("=", 1)[0] for g in flags}
                 and f not in flags]
     if replaced:
-        warnings.append(f"the caller's XLA_FLAGS {' '.join(replaced)} replaced by attncheck's fixed code "
-                        f"generation ({' '.join(flags)}); set {ISA_ENV}={HOST} to keep the caller's")
+        warnings.append(f"the caller's XLA_FLAGS {' '.join(replaced)} replaced by attncheck's ({' '.join(flags)}); "
+                        f"set {ISA_ENV}={HOST} to keep the caller's code generation")
     kept = _flags_without(current, *(g.split("=", 1)[0] for g in flags))
     if DEVICE_COUNT_FLAG not in current:
         kept.insert(0, f"{DEVICE_COUNT_FLAG}={HOST_DEVICE_COUNT}")

@@ -91,3 +91,37 @@ def test_a_ring_on_eight_devices_with_two_simulated_cores_each_runs_to_the_end()
     assert run.returncode == 0, f"rc {run.returncode}\n{run.stderr[-3000:]}"
     records = json.loads(run.stdout.strip().splitlines()[-1])
     assert records and all(outcome == "pass" for _, outcome, _ in records), records
+
+
+LATE_DEVICE = textwrap.dedent("""
+    import sys, time
+    from attncheck import env
+    env.configure()
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    def late(x):  # the first device reaches the psum 4 s after the second
+        if float(x[0]) == 0.0:
+            time.sleep(4)
+        return x
+
+    def step(x):
+        return jax.lax.psum(jax.pure_callback(late, jax.ShapeDtypeStruct(x.shape, x.dtype), x), "d")
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    print(jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(jnp.arange(2.0)))
+""")
+
+
+def test_a_device_late_at_a_collective_is_waited_for_not_aborted():
+    """XLA aborts the process when a device reaches a collective more than its stuck-warning
+    and termination timeouts after another (20 + 40 s by default; here the caller asks for
+    1 + 1, and the device is 4 s late): interpreted kernels on a loaded runner can be that
+    late without any deadlock. A run waits (a deadlock is
+    the watchdog's to end, with every thread's stack)."""
+    caller = {**os.environ, "PYTHONPATH": _REPO,
+              "XLA_FLAGS": "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
+                           "--xla_cpu_collective_call_terminate_timeout_seconds=1"}
+    proc = subprocess.run([sys.executable, "-c", LATE_DEVICE], env=caller, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "[1. 1.]" in proc.stdout, proc.stderr[-2000:]
