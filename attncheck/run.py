@@ -124,7 +124,7 @@ class GateRun:
             config.option.timeout_method = "signal"
         compile_cache.configure(compile_cache.resolve(config.getoption("attncheck_compile_cache")))
         self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
-        self.error_maps = errormap.WorstSoFar()  # which of this process' records carry an error map
+        self.error_maps = errormap.PastBudget()  # which records carry an error map
         self.durations = self._load_durations()
         self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)
         self.test_outcomes: dict[str, list[str]] = collections.defaultdict(list)  # target -> outcomes

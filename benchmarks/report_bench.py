@@ -7,7 +7,7 @@ directory of a run's per-worker ``*.jsonl`` record files (in the order the worke
 them; records of an older schema are read as they are), and measures:
 - ``map_cost``: building one error map (and its JSON) against ``numerics.compare`` of the
   same arrays, on the gate's largest shapes: what the maps add to a comparison;
-- ``maps``: which records the gate's policy (``errormap.WorstSoFar``) gives a map, replayed
+- ``maps``: which records the gate's policy (``errormap.PastBudget``) gives a map, replayed
   over the records in the report's order per worker, and the size of those maps; a run
   recorded before maps existed gets them built here from each case's own oracle, with the
   spec's layout and the recorded budget (the page draws the same number of maps);
@@ -70,18 +70,17 @@ def map_cost() -> dict:
 
 
 def with_maps(records: list[Record]) -> tuple[list[Record], int]:
-    """The records with maps where the gate's policy puts them (one policy per worker, as
-    each worker owns one), built when the run recorded none; and how many were built."""
+    """The records with maps where the gate's policy puts them, built when the run recorded
+    none; and how many were built."""
     import dataclasses
 
-    policies: dict[str, errormap.WorstSoFar] = collections.defaultdict(errormap.WorstSoFar)
+    policy = errormap.PastBudget()
     known = specs.all_specs()
     truths: dict[tuple, dict] = {}
     rng = np.random.default_rng(0)
     out, built = [], 0
     for r in records:
-        keep = r.metrics is not None and policies[r.worker].keep((r.kernel, r.impl, r.direction), r.budget,
-                                                                 not r.passed)
+        keep = r.metrics is not None and policy.keep((r.kernel, r.impl, r.direction), r.budget, not r.passed)
         if not keep or r.error_map is not None or r.kernel not in known:
             out.append(r if keep else dataclasses.replace(r, error_map=None))
             continue
