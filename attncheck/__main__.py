@@ -1,4 +1,5 @@
-"""attncheck command line: gate | report [merge DIR...] | repro CASE_ID | budgets accept | durations update | mutate.
+"""attncheck command line: gate | report [merge DIR...] | repro CASE_ID | budgets accept | durations update |
+expectations init | mutate.
 
 Every bad or missing input ends in one line naming it and a non-zero exit, never a traceback.
 """
@@ -63,9 +64,29 @@ def _at_least_one_worker(extra: list[str]) -> list[str]:
     return out if named else ["-n", "auto", *out]
 
 
+def _gate_help() -> int:
+    """pytest's help with attncheck's own options first: the gate takes every option of
+    pytest, but these are what a user of the gate looks for."""
+    text = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True).stdout
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line == "attncheck:"), None)
+    if start is None:  # the plugin is not installed in this environment: pytest's help as it is
+        print(text)
+        return 0
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    print("usage: attncheck gate [options] [more test paths]: pytest --pyargs attncheck.gate -n auto "
+          "--hypothesis-profile=ci --attncheck [options]\n")
+    print("\n".join(lines[start:end]).rstrip() + "\n")
+    print("Every other option is pytest's (and its plugins'):\n")
+    print("\n".join(lines[:start] + lines[end:]))
+    return 0
+
+
 def cmd_gate(args, extra: list[str]) -> int:
     """The gate, as ``pytest --pyargs attncheck.gate`` with the CI defaults; extra
     arguments go to pytest (more test paths, -k, --attncheck-impl, ...)."""
+    if any(a in ("-h", "--help") for a in extra):
+        return _gate_help()
     profile = [] if any(a.startswith("--hypothesis-profile") for a in extra) else ["--hypothesis-profile=ci"]
     command = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "--attncheck", *profile,
                *_at_least_one_worker(extra)]
@@ -100,8 +121,11 @@ def cmd_repro(args) -> int:
     from attncheck.report import errormap
     from attncheck.report.records import Record
 
+    from attncheck.expectations import Expectation, for_target
+
     report_dir = pathlib.Path(args.report)
-    matches = [r for r in _read_report(report_dir)["records"] if r.get("case_id") == args.case_id
+    report = _read_report(report_dir)
+    matches = [r for r in report["records"] if r.get("case_id") == args.case_id
                and (args.impl is None or r.get("impl") == args.impl)
                and (args.backend is None or r.get("backend") == args.backend)]
     if not matches:
@@ -134,11 +158,18 @@ def cmd_repro(args) -> int:
           f"{record.backend_settings.get('platform', 'not recorded')})")
     print("  parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(case.params.to_json().items()))
           + f", seed={case.seed}")
-    # Every direction's map: a terminal shows the text grid of each one asked for.
-    outcome = check.check_case(check.Target(spec, record.impl, impl, backend), case, report_dir=args.report,
+    # Judged as the run judged it: with the deviations it declared for this implementation;
+    # every direction's map: a terminal shows the text grid of each one asked for.
+    declared = tuple(Expectation.from_json(d["entry"]) for d in report.get("deviations", []))
+    expected = for_target(declared, family, record.impl_ref)
+    for entry in expected:
+        print(f"  declared deviation: {entry.kind} {entry.name}: {entry.reason}")
+    outcome = check.check_case(check.Target(spec, record.impl, impl, backend, expected, record.impl_ref), case,
+                               report_dir=args.report,
                                maps=None if args.maps == "none" else errormap.EveryMap())
     for r in outcome.records:
-        line = f"  {r.direction:>10}: {r.outcome.upper():5} {r.reason}"
+        line = f"  {r.direction:>10}: {r.outcome.upper():5} {r.reason}" + (
+            f" (an expected deviation: {r.expected})" if r.expected else "")
         m = r.metrics
         if m is not None and m.worst_index is not None:
             line += (f"\n{'':14}worst at {_describe_index(spec, r.direction, m.worst_index)}: "
@@ -256,6 +287,98 @@ def cmd_durations_update(args) -> int:
     return 0
 
 
+def cmd_expectations_init(args) -> int:
+    """The table of declared deviations a failing run calls for: one entry per bug class,
+    invalid call or contract its implementations failed (with a reason to fill in),
+    appended to ``--output`` (a pyproject.toml gets ``[[tool.attncheck.expect]]``)."""
+    from attncheck import expectations
+    from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, Expectation
+
+    report = _read_report(pathlib.Path(args.report))
+    only = {}
+    for value in args.impl:
+        family, sep, ref = value.partition("=")
+        if not sep or not family or not ref:
+            raise CommandError(f"--impl {value!r}: expected FAMILY=package.module:function")
+        only[family] = ref
+    output = pathlib.Path(args.output)
+    try:
+        existing = {(e.family, e.implementation, e.kind, e.name) for e in expectations.read(output, required=False)}
+    except expectations.ExpectationError as exc:
+        raise CommandError(str(exc)) from None
+    reason = args.reason
+    found, undeclarable = _deviations_of(report, only)
+    entries = [Expectation(f, ref, kind, name, reason.format(family=f, implementation=ref, kind=kind, name=name),
+                           str(output)) for f, ref, kind, name in found if (f, ref, kind, name) not in existing]
+    for line in undeclarable:
+        print(f"attncheck expectations init: not declarable: {line}", file=sys.stderr)
+    if not entries:
+        print(f"attncheck expectations init: nothing to declare: {args.report}'s run has no failure a bug class, "
+              f"invalid call or contract explains that {output} does not declare already")
+        return 1 if undeclarable else 0
+    pyproject = output.name == expectations.DEFAULT_TABLE
+    with open(output, "a", encoding="utf-8") as fh:
+        fh.write(expectations.toml(entries, pyproject=pyproject))
+    print(f"wrote {len(entries)} declared deviations to {output}" + ("" if pyproject else
+          f" (run the gate with --attncheck-expectations {output})") + "; fill in each reason:")
+    for e in entries:
+        print(f"  {e.describe()}")
+    kinds = {BUG_CLASS: "bug classes", INVALID_CALL: "invalid calls", CONTRACT: "contracts"}
+    print("  (" + ", ".join(f"{sum(e.kind == k for e in entries)} {v}" for k, v in kinds.items()) + ")")
+    return 1 if undeclarable else 0
+
+
+def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """((family, implementation, kind, name) of each deviation that explains the run's
+    failures, lines for the failing cases none explains). A failing case is explained by a
+    contract whose elements alone hold each of its failing comparisons, else by a bug class
+    of it that no passing case of the implementation has (fewest classes first); a failing
+    invalid call by its own entry."""
+    from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL
+
+    wanted = lambda family, ref: family not in only or only[family] == ref  # noqa: E731
+    found: list[tuple[str, str, str, str]] = []
+    cases: dict[tuple, dict] = {}
+    for r in report["records"]:
+        if not wanted(r["kernel"], r["impl_ref"]):
+            continue
+        key = (r["kernel"], r["impl_ref"], r["case_id"])
+        case = cases.setdefault(key, {"classes": set(r["classes"]), "failing": []})
+        case["excused"] = case.get("excused", False) or "expected" in r  # declared already: neither way
+        if r["outcome"] != "pass" and "expected" not in r:
+            case["failing"].append(r)
+    passing = {}
+    for (family, ref, _), case in cases.items():
+        if not case["failing"] and not case["excused"]:
+            passing.setdefault((family, ref), set()).update(case["classes"])
+    failing = {key: case for key, case in cases.items() if case["failing"]}
+    undeclarable = []
+    unexplained: dict[tuple, dict] = {}
+    for key, case in failing.items():
+        contracts = set.intersection(*(set(r.get("contracts_broken", ())) for r in case["failing"]))
+        if contracts:
+            found.append((key[0], key[1], CONTRACT, sorted(contracts)[0]))
+        else:
+            unexplained[key] = case
+    while unexplained:
+        candidates: dict[tuple, set] = {}
+        for key, case in unexplained.items():
+            for name in case["classes"] - passing.get(key[:2], set()):
+                candidates.setdefault((key[0], key[1], name), set()).add(key)
+        if not candidates:
+            break
+        best = max(sorted(candidates), key=lambda c: len(candidates[c]))
+        found.append((best[0], best[1], BUG_CLASS, best[2]))
+        for key in candidates[best]:
+            del unexplained[key]
+    undeclarable += [f"{family} / {ref}: case {case_id} fails, and each of its bug classes also passes elsewhere "
+                     f"({', '.join(sorted(case['classes'])) or 'it has none'}): a bug no entry describes "
+                     f"(reproduce: {case['failing'][0]['repro']})" for (family, ref, case_id), case in unexplained.items()]
+    found += [(c["family"], c["impl_ref"], INVALID_CALL, c["call"]) for c in report.get("invalid_calls", [])
+              if c["outcome"] == "failed" and wanted(c["family"], c["impl_ref"])]
+    return list(dict.fromkeys(found)), undeclarable
+
+
 def cmd_mutate(args) -> int:
     from attncheck.mutation import runner
     from attncheck.mutation.mutant import CatalogueError
@@ -323,6 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(u, "reports/test")
     u.add_argument("--output", default="tests/durations.json")
     u.set_defaults(func=cmd_durations_update)
+    p = sub.add_parser("expectations", help="declared deviations of your implementations")
+    esub = p.add_subparsers(dest="action", required=True)
+    i = esub.add_parser("init", help="write the entries a failing run calls for, one per failing bug class, "
+                                     "invalid call or contract")
+    _add_report(i)
+    i.add_argument("--impl", action="append", default=[], metavar="FAMILY=MOD:FN",
+                   help="only this implementation of the family (default: every implementation that failed)")
+    i.add_argument("--output", default="pyproject.toml",
+                   help="append the entries here (default: %(default)s, as [[tool.attncheck.expect]]; any other "
+                        "file gets [[expect]] tables, for --attncheck-expectations)")
+    i.add_argument("--reason", default="TODO: why {implementation} does not do this (a sentence or a link)",
+                   help="the reason written in each entry ({family}, {implementation}, {kind} and {name} are filled "
+                        "in; default: %(default)r)")
+    i.set_defaults(func=cmd_expectations_init)
     p = sub.add_parser("mutate", help="run the mutant catalogue against the gate")
     p.add_argument("--kernel", default=None)
     p.add_argument("--mutant", action="append", default=None)

@@ -21,9 +21,10 @@ from attncheck import interpret_compat, numerics
 from attncheck.backends import Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin
+from attncheck.expectations import BUG_CLASS, CONTRACT, Expectation
 from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record
-from attncheck.specs.base import KernelSpec, resolve_impl
+from attncheck.specs.base import KernelSpec
 
 # A yardstick this far from the oracle means the spec's mapping or the yardstick is wrong,
 # and would inflate the tolerance: fail loudly instead of passing anything.
@@ -36,12 +37,15 @@ from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One implementation of a family on one backend: what a gate test verifies."""
+    """One implementation of a family on one backend: what a gate test verifies, with the
+    deviations declared for that implementation (``attncheck.expectations``)."""
 
     spec: KernelSpec
     impl_name: str
     impl: Callable
     backend: Backend
+    expected: tuple[Expectation, ...] = ()
+    ref: str | None = None  # "module:function" as the run names it (None: where impl comes from)
 
     @property
     def id(self) -> str:
@@ -49,13 +53,9 @@ class Target:
 
     @property
     def impl_ref(self) -> str:
-        return ":".join(map(str, impl_origin(self.impl)))
-
-    @property
-    def own(self) -> bool:
-        """One of the family's own implementations, held to its ``own_contracts`` too."""
-        ref = self.spec.default_impls.get(self.impl_name)
-        return ref is not None and resolve_impl(ref) is self.impl
+        """The reference that finds the implementation again: as the run named it, which is
+        what a table of expectations names too."""
+        return self.ref or ":".join(map(str, impl_origin(self.impl)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Outcome:
 
     @property
     def failures(self) -> list[Record]:
-        return [r for r in self.records if not r.passed]
+        return [r for r in self.records if r.failing]
 
     def summary(self) -> str:
         return "\n".join(f"{r.kernel}/{r.impl} on {r.backend}: {r.direction} {r.outcome.upper()}: {r.reason}\n"
@@ -248,14 +248,19 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
             raise TypeError(f"the spec's run() returned {type(got).__name__}, expected a dict of directions")
     except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
         record = _error(base, "all", exc, timings, interpreted=target.backend.interprets)
+        # A crash is expected only where a declared deviation may touch the whole case.
+        whole = [e.id for e in target.expected if _applies(e, base) and e.kind == BUG_CLASS
+                 and spec.deviation_elements(e, case, inputs) is None]
+        if whole:
+            record = dataclasses.replace(record, deviations=dict.fromkeys(whole, True), expected=" ".join(whole))
         return Outcome([record], fatal=timeout_in(exc))
     with timings.phase("oracle"):
         truth = spec.oracle(case, inputs)
     with timings.phase("yardstick", compiles=True):
         reference = spec.yardstick(case, inputs)
     care, dtypes = spec.care(case, inputs), spec.output_dtypes(case)
-    if not target.own:
-        care = _without(care, spec.own_contract_elements(case, inputs))
+    deviating = Deviating.of(target, case, inputs, base)
+    strict = deviating.strict(care)
     records = []
     for direction in truth:
         if direction not in got:
@@ -263,11 +268,90 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
                                   reason=f"implementation returned no {direction!r}", timings=dict(timings)))
             continue
         record = judge(base, direction, got[direction], truth[direction], reference[direction],
-                       dtype=dtypes[direction], care=care.get(direction), timings=timings)
+                       dtype=dtypes[direction], care=strict.get(direction), timings=timings)
+        record = deviating.mark(record, got[direction], truth[direction], reference[direction], dtypes[direction],
+                                care.get(direction))
+        if record.failing and record.metrics is not None:
+            record = _contracts_broken(record, spec, case, inputs, got[direction], truth[direction],
+                                       reference[direction], dtypes[direction], strict.get(direction))
         if maps is not None:
-            record = with_error_map(record, spec, case, got[direction], truth[direction], care.get(direction), maps)
+            record = with_error_map(record, spec, case, got[direction], truth[direction], strict.get(direction), maps)
         records.append(record)
     return Outcome(records)
+
+
+def _applies(entry: Expectation, base: CaseRun) -> bool:
+    """A declared deviation may show in this case: its bug class is the case's, or it is a
+    contract (whose elements the case may have)."""
+    return (entry.kind == BUG_CLASS and entry.name in base.classes) or entry.kind == CONTRACT
+
+
+@dataclasses.dataclass(frozen=True)
+class Deviating:
+    """The declared deviations that apply to one case: those that name the elements they
+    touch (``parts``, entry id -> direction -> mask), judged apart from the rest of the
+    case, and those that may touch all of it (``whole``)."""
+
+    parts: dict[str, dict[str, np.ndarray]]
+    whole: tuple[str, ...]
+
+    @classmethod
+    def of(cls, target: Target, case: Case, inputs, base: CaseRun) -> Deviating:
+        parts, whole = {}, []
+        for entry in target.expected:
+            if not _applies(entry, base):
+                continue
+            elements = target.spec.deviation_elements(entry, case, inputs)
+            if elements is None:
+                whole.append(entry.id)
+            elif any(np.any(mask) for mask in elements.values()):
+                parts[entry.id] = dict(elements)
+        return cls(parts, tuple(whole))
+
+    def strict(self, care: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | None]:
+        """The care masks less every element a declared deviation touches."""
+        dropped: dict[str, np.ndarray] = {}
+        for elements in self.parts.values():
+            for direction, mask in elements.items():
+                dropped[direction] = mask if direction not in dropped else np.logical_or(dropped[direction], mask)
+        return _without(care, dropped)
+
+    def mark(self, record: Record, got, truth, reference, dtype, care) -> Record:
+        """The record with, for each deviation, whether it shows in this comparison; a
+        failure of a case that a whole-case deviation may touch is expected."""
+        if not self.parts and not self.whole:
+            return record
+        shows = {}
+        for entry, elements in self.parts.items():
+            mask = elements.get(record.direction)
+            if mask is not None and np.any(mask):
+                scope = mask if care is None else np.logical_and(care, mask)
+                try:
+                    shows[entry] = not numerics.compare(got, truth, reference, dtype=dtype, direction=record.direction,
+                                                        care=scope).passed
+                except Exception:  # noqa: BLE001 - what the kernel returned cannot be compared: it shows
+                    shows[entry] = True
+        shows.update(dict.fromkeys(self.whole, not record.passed))
+        expected = " ".join(self.whole) if self.whole and not record.passed else None
+        return dataclasses.replace(record, deviations=shows, expected=expected)
+
+
+def _contracts_broken(record: Record, spec: KernelSpec, case: Case, inputs, got, truth, reference, dtype,
+                      care) -> Record:
+    """The failing record with the family's contracts whose elements alone hold its failure:
+    without them, the comparison passes."""
+    broken = []
+    for contract in spec.contracts:
+        elements = None if contract.elements is None else contract.elements(case, inputs).get(record.direction)
+        if elements is None or not np.any(elements):
+            continue
+        scope = _without({"d": care}, {"d": elements})["d"]
+        try:
+            if numerics.compare(got, truth, reference, dtype=dtype, direction=record.direction, care=scope).passed:
+                broken.append(contract.name)
+        except Exception:  # noqa: BLE001 - not comparable without them either: nothing to say
+            continue
+    return dataclasses.replace(record, contracts_broken=tuple(broken)) if broken else record
 
 
 def _without(care: dict[str, np.ndarray | None], dropped: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:

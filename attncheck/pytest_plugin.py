@@ -64,6 +64,10 @@ def pytest_addoption(parser):
     group.addoption("--attncheck-shard", default=None, metavar="K/N",
                     help="run only the K-th of N shards of the run, balanced by the durations; "
                          "`attncheck report merge DIR...` makes the report of the whole run from theirs")
+    group.addoption("--attncheck-expectations", default=None, metavar="PATH",
+                    help="the declared deviations of your implementations (a TOML file of [[expect]] entries; "
+                         "default: [[tool.attncheck.expect]] of the root directory's pyproject.toml; "
+                         "`attncheck expectations init` writes them)")
     group.addoption("--attncheck-require-coverage", action="store_true", default=False,
                     help="fail the run if a bug class that applies to a kernel was never exercised")
 

@@ -24,7 +24,7 @@ import time
 import pytest
 from hypothesis import settings
 
-from attncheck import accepted, compile_cache, env, profiles, scheduling, selection, specs, watchdog
+from attncheck import accepted, compile_cache, env, expectations, profiles, scheduling, selection, specs, watchdog
 from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
 from attncheck.report import errormap, merge, model, render
 from attncheck.report import records as rec
@@ -116,7 +116,8 @@ class GateRun:
         self.platform = env.current_platform()
         floor = config.getoption("attncheck_regression_floor")
         self.policy = Policy.of_specs(
-            specs.all_specs().values(), require_coverage=config.getoption("attncheck_require_coverage"),
+            specs.all_specs().values(), expectations=self.expectations,
+            require_coverage=config.getoption("attncheck_require_coverage"),
             accepted_budgets=self.accepted_path,
             regression_floor=accepted.REGRESSION_FLOOR if floor is None else floor)
         if config.getoption("timeout", None) is None and not config.getini("timeout"):
@@ -128,6 +129,7 @@ class GateRun:
         self.durations = self._load_durations()
         self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)
         self.test_outcomes: dict[str, list[str]] = collections.defaultdict(list)  # target -> outcomes
+        self.invalid_calls: dict[str, model.InvalidCallOutcome] = {}  # nodeid -> what the call did
         self.collected: set[str] = set()
         self.lock = None
         if not self.is_worker:
@@ -149,6 +151,7 @@ class GateRun:
             self.shard = None if shard is None else scheduling.Shard.parse(shard)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+        self.expectations = self._load_expectations()
         self.accepted_path = config.getoption("attncheck_accepted_budgets")
         if config.getoption("attncheck_baseline"):
             self._warn("--attncheck-baseline is deprecated: it names the accepted budgets; use "
@@ -159,6 +162,19 @@ class GateRun:
                 accepted.read(pathlib.Path(self.accepted_path))
             except accepted.AcceptedBudgetsError as exc:
                 raise pytest.UsageError(f"--attncheck-accepted-budgets: {exc}") from None
+
+    def _load_expectations(self) -> tuple[expectations.Expectation, ...]:
+        """The declared deviations of the run: the families' own, and the table of
+        ``--attncheck-expectations`` or, without it, of the root directory's pyproject.toml."""
+        path = self.config.getoption("attncheck_expectations")
+        try:
+            table = (expectations.read(pathlib.Path(path)) if path else
+                     expectations.read(self.config.rootpath / expectations.DEFAULT_TABLE, required=False))
+            families = specs.all_specs()
+            shipped = [e for spec in families.values() for e in expectations.shipped(spec)]
+            return tuple(expectations.validate([*shipped, *table], families, _invalid_call_names))
+        except expectations.ExpectationError as exc:
+            raise pytest.UsageError(f"--attncheck-expectations: {exc}") from None
 
     def _warn(self, message: str) -> None:
         """A warning of the run's setup, shown in pytest's warnings summary."""
@@ -236,10 +252,11 @@ class GateRun:
             # One test per validation branch of each family and implementation under test (a
             # user's implementation must reject what the convention rejects); a family that
             # declares none simply contributes no test.
+            # A declared deviation of a call is a strict xfail: it fails once the call is rejected.
             metafunc.parametrize("gate_invalid", [
                 pytest.param(test, id=test.id, marks=[pytest.mark.attncheck_family(test.spec.name)] + (
-                    [pytest.mark.xfail(strict=True, reason=f"kernel finding: {test.call.finding}")]
-                    if test.call and test.call.finding and test.shipped else []))
+                    [pytest.mark.xfail(strict=True, reason=f"expected deviation ({entry.source}): {entry.reason}")]
+                    if (entry := test.expected(self.expectations)) else []))
                 for test in selection.invalid_input_tests(self.options)])
 
     @staticmethod
@@ -299,6 +316,22 @@ class GateRun:
         if test is not None and (report.when == "call" or report.outcome != "passed"):
             reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
             self.test_outcomes[test.target_id].append(f"{report.outcome}{': ' + reason if reason else ''}")
+        invalid = selection.invalid_test_of_nodeid(self.options, report.nodeid)
+        if invalid is not None and invalid.call is not None and (report.when == "call" or report.outcome != "passed"):
+            self.invalid_calls[report.nodeid] = self._invalid_call_outcome(invalid, report)
+
+    @staticmethod
+    def _invalid_call_outcome(test: selection.InvalidInputTest, report) -> model.InvalidCallOutcome:
+        if report.skipped and hasattr(report, "wasxfail"):
+            outcome, reason = "expected", report.wasxfail
+        elif report.failed and "XPASS(strict)" in str(report.longrepr):
+            outcome, reason = "stale", "rejected as the convention asks, though declared a deviation"
+        else:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            outcome = report.outcome
+            reason = "" if report.passed else str(crash.message if crash else report.longrepr).strip()[:500]
+        return model.InvalidCallOutcome(test.spec.name, test.impl_name, test.impl_ref, test.call.description,
+                                        outcome, reason)
 
     def pytest_sessionstart(self, session):
         self.writer.log_faults()  # after pytest's faulthandler plugin has set stderr
@@ -437,7 +470,8 @@ class GateRun:
             asked={target: model.describe_tests(outcomes) for target, outcomes in asked.items()},
             unavailable=tuple(selection.unavailable_requests(self.options)),
             skipped_backends=tuple(model.SkippedBackend(*s) for s in selection.skipped_backends(self.options)),
-            session_problems=tuple(self._session_problems(session, exitstatus)))
+            session_problems=tuple(self._session_problems(session, exitstatus)),
+            invalid_calls=tuple(self.invalid_calls[k] for k in sorted(self.invalid_calls)))
         shard = None if self.shard is None else model.ShardInfo(
             self.shard.index, self.shard.count, tests=len(self.collected), **self._collection(),
             asked={target: dict(outcomes) for target, outcomes in asked.items()}, unavailable=outcome.unavailable,
@@ -474,6 +508,16 @@ class GateRun:
             self.lock.release()
         if self.is_worker:
             atexit.register(_end_worker)  # registered last: the first to run
+
+
+def _invalid_call_names(spec, ref: str) -> list[str]:
+    """The descriptions of a family's invalid calls for an implementation (an entry of a
+    table names one)."""
+    try:
+        return [call.description for call in spec.invalid_calls(specs.resolve_impl(ref))]
+    except Exception as exc:  # noqa: BLE001 - the entry's implementation cannot be used: say so
+        raise expectations.ExpectationError(f"{spec.name}: the invalid calls of {ref} cannot be built "
+                                            f"({type(exc).__name__}: {exc})") from None
 
 
 def _end_worker() -> None:

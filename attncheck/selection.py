@@ -14,6 +14,7 @@ import functools
 from attncheck import coverage, specs
 from attncheck.backends import BACKENDS
 from attncheck.check import Target
+from attncheck.expectations import INVALID_CALL, Expectation, for_target
 from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 COVERAGE = "coverage"
@@ -108,8 +109,10 @@ class GateTest:
     def unavailable(self) -> str | None:
         return BACKENDS[self.backend_name].unavailable_reason()
 
-    def target(self) -> Target:
-        return Target(self.spec, self.impl_name, resolve_impl(self.impl_ref), BACKENDS[self.backend_name])
+    def target(self, expectations: tuple[Expectation, ...] = ()) -> Target:
+        """The target, with the deviations declared for its implementation among ``expectations``."""
+        return Target(self.spec, self.impl_name, resolve_impl(self.impl_ref), BACKENDS[self.backend_name],
+                      for_target(expectations, self.spec.name, self.impl_ref), self.impl_ref)
 
 
 def gate_tests(options: Options) -> list[GateTest]:
@@ -149,6 +152,13 @@ class InvalidInputTest:
         contract too (another implementation may reject with its own class)."""
         return self.spec.default_impls.get(self.impl_name) == self.impl_ref
 
+    def expected(self, expectations: tuple[Expectation, ...]) -> Expectation | None:
+        """The declared deviation of this call for this implementation, if any."""
+        if self.call is None:
+            return None
+        return next((e for e in for_target(expectations, self.spec.name, self.impl_ref)
+                     if e.kind == INVALID_CALL and e.name == self.call.description), None)
+
 
 def invalid_input_tests(options: Options) -> list[InvalidInputTest]:
     """Each invalid call of each family, made to every implementation the run verifies. A
@@ -181,11 +191,25 @@ def _by_id(options: Options) -> dict[str, GateTest]:
     return {test.id: test for test in gate_tests(options)}
 
 
-def test_of_nodeid(options: Options, nodeid: str) -> GateTest | None:
-    """The gate test a node id names (None: not a gate test)."""
+@functools.cache
+def _invalid_by_id(options: Options) -> dict[str, InvalidInputTest]:
+    return {test.id: test for test in invalid_input_tests(options)}
+
+
+def _param_id(nodeid: str) -> str | None:
     if "[" not in nodeid or not nodeid.endswith("]"):
         return None
-    return _by_id(options).get(nodeid.rpartition("[")[2][:-1])
+    return nodeid.rpartition("[")[2][:-1]
+
+
+def test_of_nodeid(options: Options, nodeid: str) -> GateTest | None:
+    """The gate test a node id names (None: not a gate test)."""
+    return _by_id(options).get(_param_id(nodeid))
+
+
+def invalid_test_of_nodeid(options: Options, nodeid: str) -> InvalidInputTest | None:
+    """The invalid-input test a node id names (None: not one)."""
+    return _invalid_by_id(options).get(_param_id(nodeid)) if "test_invalid_input" in nodeid else None
 
 
 def skipped_backends(options: Options) -> list[tuple[str, str]]:

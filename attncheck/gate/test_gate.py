@@ -21,7 +21,7 @@ from attncheck.pytest_plugin import gate_run
 
 def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attncheck_writer, attncheck_stop_point):
     run = gate_run(request.config)
-    spec, target = gate_target.spec, gate_target.target()
+    spec, target = gate_target.spec, gate_target.target(run.expectations)
     nodeid = request.node.nodeid
     outcomes: dict[str, check.Outcome] = {}  # by case id: hypothesis replays a failing example
 

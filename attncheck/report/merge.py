@@ -14,8 +14,10 @@ from attncheck import accepted, coverage, parameters
 from attncheck.mutation import runner
 from attncheck.report import records as rec
 from attncheck.env import Platform
-from attncheck.report.model import (FAIL, INCOMPLETE, Report, ShardInfo, SkippedBackend, build, describe_tests,
-                                    parameter_table, summarize, unprobed, unverified_targets)
+from attncheck.expectations import STALE
+from attncheck.report.model import (FAIL, INCOMPLETE, DeviationStatus, InvalidCallOutcome, Report, ShardInfo,
+                                    SkippedBackend, build, describe_tests, deviation_statuses, parameter_table,
+                                    summarize, unprobed, unverified_targets)
 from attncheck.report.policy import Policy
 
 MUTATION_FILE = "mutation.json"
@@ -36,6 +38,7 @@ class RunOutcome:
     unavailable: tuple[str, ...] = ()  # backends asked for by name that cannot run here
     skipped_backends: tuple[SkippedBackend, ...] = ()
     session_problems: tuple[str, ...] = ()  # e.g. pytest's exit status
+    invalid_calls: tuple[InvalidCallOutcome, ...] = ()  # what each invalid-input test did
 
 
 def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Policy | None = None, *,
@@ -62,9 +65,10 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Pol
     failing_tests = {r.nodeid for r in records if not r.passed}
     problems += [f"{nodeid} failed without a failing record: {reason[:300]}"
                  for nodeid, reason in sorted(outcome.failed_tests.items()) if nodeid not in failing_tests]
-    regressions, differences = None, []
+    regressions, differences, deviations = None, [], []
     if shard is None:
-        holes, regressions, differences = _judge_whole_run(records, policy, platform, profile)
+        holes, regressions, differences, deviations = _judge_whole_run(records, list(outcome.invalid_calls), policy,
+                                                                       platform, profile)
         problems += holes
     unverified = list(outcome.unavailable)
     if outcome.asked is not None:
@@ -72,14 +76,17 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Pol
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
                  unverified=unverified, skipped_backends=list(outcome.skipped_backends), policy=policy,
                  regressions=regressions, budget_differences=differences, mutation=_read_json(directory / MUTATION_FILE),
-                 shard=shard, platform=platform, profile=profile)
+                 shard=shard, platform=platform, profile=profile, deviations=deviations,
+                 invalid_calls=list(outcome.invalid_calls))
 
 
-def _judge_whole_run(records: list[rec.Record], policy: Policy, platform: Platform | None, profile: str | None
-                     ) -> tuple[list[str], list[str] | None, list[str]]:
-    """(coverage holes: bug classes and parameters, numerics regressions or None when no
-    accepted budgets were given, differences from accepted budgets of another platform or
-    profile)."""
+def _judge_whole_run(records: list[rec.Record], invalid_calls: list[InvalidCallOutcome], policy: Policy,
+                     platform: Platform | None, profile: str | None
+                     ) -> tuple[list[str], list[str] | None, list[str], list[DeviationStatus]]:
+    """(problems: coverage holes of bug classes and parameters, and stale declared
+    deviations; numerics regressions or None when no accepted budgets were given;
+    differences from accepted budgets of another platform or profile; how each declared
+    deviation stood)."""
     holes = []
     if policy.require_coverage:
         counts = coverage.table(records, policy.applicable)
@@ -90,11 +97,15 @@ def _judge_whole_run(records: list[rec.Record], policy: Policy, platform: Platfo
         holes += [f"parameter coverage: {kernel}: the call of {n} case(s) could not be probed "
                   "(attncheck.parameters), so their parameters are unknown"
                   for kernel, n in unprobed(records).items()]
+    deviations = deviation_statuses(records, invalid_calls, policy.expectations)
+    holes += [f"stale expectation: {d.entry.describe()} ({d.entry.source}) no longer deviates: all {d.cases} "
+              f"{'calls' if d.entry.kind == 'invalid_call' else 'cases'} that exercised it passed; the kernel was "
+              "fixed, remove the entry" for d in deviations if d.status == STALE]
     regressions, differences = None, []
     if policy.accepted_budgets:
         regressions, differences = accepted.judge(summarize(records), accepted.read(pathlib.Path(policy.accepted_budgets)),
                                                   policy.regression_floor, platform, profile)
-    return holes, regressions, differences
+    return holes, regressions, differences, deviations
 
 
 # ------------------------------------------------------------------ the shards of a run
@@ -200,10 +211,12 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     platform = next(iter(platforms)) if len(platforms) == 1 else None
     profile = next(iter(profiles)) if len(profiles) == 1 else None
     policy = infos[0].policy if infos else Policy()
-    regressions, differences = None, []
+    invalid_calls = [InvalidCallOutcome(**c) for s in ordered for c in s.data.get("invalid_calls", [])]
+    regressions, differences, deviations = None, [], []
     if infos:
         try:
-            holes, regressions, differences = _judge_whole_run(records, policy, platform, profile)
+            holes, regressions, differences, deviations = _judge_whole_run(records, invalid_calls, policy, platform,
+                                                                           profile)
             problems += holes
         except accepted.AcceptedBudgetsError as exc:
             problems.append(f"--attncheck-accepted-budgets of the shards: {exc}")
@@ -227,7 +240,8 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     return build(records, run_id="+".join(s.data["run_id"] for s in ordered) or "no-shards", complete=True,
                  wall_s=None if not walls or None in walls else max(walls), problems=problems,
                  unverified=unverified, skipped_backends=list(skipped), policy=policy, regressions=regressions,
-                 budget_differences=differences, mutation=mutation, platform=platform, profile=profile)
+                 budget_differences=differences, mutation=mutation, platform=platform, profile=profile,
+                 deviations=deviations, invalid_calls=invalid_calls)
 
 
 def _read_json(path: pathlib.Path):

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from attncheck import coverage, interpret_compat, parameters
 from attncheck.env import Platform
+from attncheck.expectations import INVALID_CALL, NOT_EXERCISED, OCCURS, STALE, Expectation
 from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record
 
@@ -37,9 +38,10 @@ class SummaryRow:
     cases: int
     comparisons: int
     failures: int
-    worst_budget: float
+    worst_budget: float  # of the comparisons that are not expected deviations
     worst_case: str
     worst_repro: str
+    deviations: int = 0  # comparisons that failed as a declared deviation expects
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,66 @@ class Totals:
     records: int
     cases: int
     failures: int
+    deviations: int = 0  # failing comparisons a declared deviation expects
+
+
+@dataclasses.dataclass(frozen=True)
+class InvalidCallOutcome:
+    """What one invalid call did to one implementation under test: "passed" (rejected with
+    an error naming the argument), "failed", "expected" (a declared deviation: accepted,
+    or rejected without naming the argument, as its entry says) or "stale" (its entry
+    expects a deviation and the implementation now rejects the call)."""
+
+    family: str
+    impl: str
+    impl_ref: str
+    call: str
+    outcome: str
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviationStatus:
+    """How one declared deviation stood in a run (``attncheck.expectations``): it occurs,
+    it is stale (the cases or calls that exercise it all passed), or nothing exercised it;
+    ``cases``: the cases (or calls) it applied to, ``shown``: those that showed it."""
+
+    entry: Expectation
+    status: str
+    cases: int
+    shown: int
+
+    def to_json(self) -> dict:
+        return {"entry": self.entry.to_json(), "status": self.status, "cases": self.cases, "shown": self.shown}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> DeviationStatus:
+        return cls(Expectation.from_json(data["entry"]), data["status"], data["cases"], data["shown"])
+
+
+def deviation_statuses(records: list[Record], invalid_calls: list[InvalidCallOutcome],
+                       entries: tuple[Expectation, ...]) -> list[DeviationStatus]:
+    """Each declared deviation's status over a whole run's records and invalid calls, for the
+    families the run verified."""
+    verified = {r.kernel for r in records} | {c.family for c in invalid_calls}
+    out = []
+    for entry in (e for e in entries if e.family in verified):
+        if entry.kind == INVALID_CALL:
+            calls = [c for c in invalid_calls if (c.family, c.impl_ref, c.call) ==
+                     (entry.family, entry.implementation, entry.name)]
+            cases, shown = len(calls), sum(c.outcome == "expected" for c in calls)
+            stale = any(c.outcome == "stale" for c in calls)
+        else:
+            seen: dict[tuple, bool] = {}
+            for r in records:
+                if r.deviations and entry.id in r.deviations and r.kernel == entry.family:
+                    key = (r.case_id, r.backend)
+                    seen[key] = seen.get(key, False) or r.deviations[entry.id]
+            cases, shown = len(seen), sum(seen.values())
+            stale = cases > 0 and shown == 0
+        status = NOT_EXERCISED if cases == 0 else STALE if stale else OCCURS
+        out.append(DeviationStatus(entry, status, cases, shown))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +191,14 @@ class Report:
     # Worst budgets past the accepted ones' regression limit where the accepted budgets come
     # from another platform or profile: shown, never failing (attncheck.accepted).
     budget_differences: list[str] = dataclasses.field(default_factory=list)
+    # The declared deviations of the run's implementations and how each stood, and what
+    # every invalid call did to every implementation under test.
+    deviations: list[DeviationStatus] = dataclasses.field(default_factory=list)
+    invalid_calls: list[InvalidCallOutcome] = dataclasses.field(default_factory=list)
 
     @property
     def failing(self) -> list[Record]:
-        return [r for r in self.records if not r.passed]
+        return [r for r in self.records if r.failing]
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -145,6 +211,8 @@ class Report:
         out["skipped_backends"] = [dataclasses.asdict(s) for s in self.skipped_backends]
         out["records"] = [r.to_json() for r in self.records]
         out["platform"] = None if self.platform is None else self.platform.to_json()
+        out["deviations"] = [d.to_json() for d in self.deviations]
+        out["invalid_calls"] = [dataclasses.asdict(c) for c in self.invalid_calls]
         out["schema_version"] = SCHEMA_VERSION
         if self.regressions is None:
             del out["regressions"]
@@ -175,10 +243,14 @@ def summarize(records: list[Record]) -> list[SummaryRow]:
         groups[(r.kernel, r.impl, r.backend, r.dtype, r.direction)].append(r)
     rows = []
     for key, rs in sorted(groups.items()):
-        worst = max(rs, key=lambda r: r.budget)
+        # An expected deviation is not judged: its budget ranks nothing.
+        judged = [r for r in rs if r.expected is None] or rs
+        worst = max(judged, key=lambda r: r.budget if r.expected is None else -1.0)
         rows.append(SummaryRow(*key, cases=len({r.case_id for r in rs}), comparisons=len(rs),
-                               failures=sum(not r.passed for r in rs), worst_budget=worst.budget,
-                               worst_case=worst.case_id, worst_repro=worst.repro))
+                               failures=sum(r.failing for r in rs),
+                               worst_budget=worst.budget if worst.expected is None else 0.0,
+                               worst_case=worst.case_id, worst_repro=worst.repro,
+                               deviations=sum(r.expected is not None for r in rs)))
     return rows
 
 
@@ -245,22 +317,25 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
           unverified: list[str], skipped_backends: list[SkippedBackend], policy: Policy,
           regressions: list[str] | None = None, budget_differences: list[str] | None = None,
           mutation: dict | None = None, shard: ShardInfo | None = None, platform: Platform | None = None,
-          profile: str | None = None) -> Report:
+          profile: str | None = None, deviations: list[DeviationStatus] | None = None,
+          invalid_calls: list[InvalidCallOutcome] | None = None) -> Report:
     """The report of a run from its records, judged by its policy."""
     counts = coverage.table(records, policy.applicable)
     problems = list(problems) + list(regressions or ())
-    failures = sum(not r.passed for r in records)
+    failures = sum(r.failing for r in records)
     return Report(
         run_id=run_id, complete=complete, wall_s=wall_s,
         verdict=verdict(failures=failures, problems=problems, unverified=unverified, complete=complete),
-        totals=Totals(records=len(records), cases=len({(r.kernel, r.case_id) for r in records}), failures=failures),
+        totals=Totals(records=len(records), cases=len({(r.kernel, r.case_id) for r in records}), failures=failures,
+                      deviations=sum(r.expected is not None for r in records)),
         summary=summarize(records), coverage=counts, device_growth=device_growth(records),
         skipped_backends=skipped_backends, problems=problems, unverified=list(unverified),
         limitations=interpret_compat.limitation_lines(records), regressions=regressions, records=records,
         mutation=mutation, parameters=parameter_table(records),
         fixed_parameters={k: dict(v) for k, v in policy.fixed_parameters.items()},
-        declared={k: v for k, v in policy.declared.items() if v.contracts or v.findings}, shard=shard,
-        platform=platform, profile=profile, budget_differences=list(budget_differences or ()))
+        declared={k: v for k, v in policy.declared.items() if v.contracts}, shard=shard,
+        platform=platform, profile=profile, budget_differences=list(budget_differences or ()),
+        deviations=list(deviations or ()), invalid_calls=list(invalid_calls or ()))
 
 
 def placeholder(run_id: str) -> Report:

@@ -11,21 +11,20 @@ import types
 from collections.abc import Iterable, Mapping
 
 from attncheck.accepted import REGRESSION_FLOOR
+from attncheck.expectations import Expectation
 
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-    """What a family declares of its kernels besides the oracle's semantics, so that the
-    report says which is which: *contracts*, properties a kernel has on purpose that the
-    gate holds it to (paged attention computes with bfloat16 pages), and *findings*, kernel
-    bugs or gaps the gate knows of and keeps out of its draws or as a strict xfail."""
+    """The contracts a family declares of its kernels besides the oracle's semantics:
+    properties a kernel has on purpose that the gate holds it to (paged attention computes
+    with bfloat16 pages), one sentence each. Its known deviations are expectations."""
 
     contracts: tuple[str, ...] = ()
-    findings: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: Mapping) -> Declared:
-        return cls(tuple(data["contracts"]), tuple(data["findings"]))
+        return cls(tuple(data["contracts"]))
 
 
 def _frozen(mapping: Mapping) -> Mapping:
@@ -35,13 +34,15 @@ def _frozen(mapping: Mapping) -> Mapping:
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """The families' declarations and the options that judge a run: its bug classes, the
-    parameters kept at one value on purpose, the contracts and findings; whether coverage
-    holes fail it; the accepted budgets its numerics regressions are judged against, and
-    the floor below which none counts."""
+    parameters kept at one value on purpose, the contracts; the declared deviations of its
+    implementations (the families' own and the user's, ``attncheck.expectations``); whether
+    coverage holes fail it; the accepted budgets its numerics regressions are judged
+    against, and the floor below which none counts."""
 
     applicable: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # family -> bug classes
     fixed_parameters: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)  # -> param -> why
     declared: Mapping[str, Declared] = dataclasses.field(default_factory=dict)
+    expectations: tuple[Expectation, ...] = ()
     require_coverage: bool = False
     accepted_budgets: str | None = None  # the file's path
     regression_floor: float = REGRESSION_FLOOR
@@ -52,6 +53,7 @@ class Policy:
         object.__setattr__(self, "fixed_parameters",
                            _frozen({k: _frozen(v) for k, v in self.fixed_parameters.items()}))
         object.__setattr__(self, "declared", _frozen(self.declared))
+        object.__setattr__(self, "expectations", tuple(self.expectations))
 
     @classmethod
     def of_specs(cls, specs: Iterable, **options) -> Policy:
@@ -59,12 +61,13 @@ class Policy:
         specs = list(specs)
         return cls(applicable={s.name: s.class_names for s in specs},
                    fixed_parameters={s.name: s.fixed_parameters for s in specs},
-                   declared={s.name: Declared(tuple(s.contracts), tuple(s.findings)) for s in specs}, **options)
+                   declared={s.name: Declared(tuple(c.text for c in s.contracts)) for s in specs}, **options)
 
     def to_json(self) -> dict:
         return {"applicable": {k: list(v) for k, v in self.applicable.items()},
                 "fixed_parameters": {k: dict(v) for k, v in self.fixed_parameters.items()},
                 "declared": {k: dataclasses.asdict(v) for k, v in self.declared.items()},
+                "expectations": [e.to_json() for e in self.expectations],
                 "require_coverage": self.require_coverage, "accepted_budgets": self.accepted_budgets,
                 "regression_floor": self.regression_floor}
 
@@ -72,5 +75,6 @@ class Policy:
     def from_json(cls, data: Mapping) -> Policy:
         return cls(applicable=data["applicable"], fixed_parameters=data["fixed_parameters"],
                    declared={k: Declared.from_json(v) for k, v in data["declared"].items()},
+                   expectations=tuple(Expectation.from_json(e) for e in data.get("expectations", ())),
                    require_coverage=bool(data["require_coverage"]), accepted_budgets=data["accepted_budgets"],
                    regression_floor=float(data["regression_floor"]))

@@ -97,9 +97,18 @@ class Record(CaseRun):
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     metrics: Comparison | None = None
     traceback: str | None = None
-    # Where the error is (attncheck.report.errormap): on failing records and on the worst
-    # passing one so far of its kernel x impl x direction in the writing process.
+    # Where the error is (attncheck.report.errormap): on failing records and on passing ones
+    # whose budget reaches errormap.MAP_BUDGET.
     error_map: ErrorMap | None = None
+    # The declared deviations (attncheck.expectations) that apply to this case: entry id ->
+    # whether this comparison shows the deviation. None: none applies.
+    deviations: Mapping[str, bool] | None = None
+    # The entries that excuse this record's failure (a whole-case deviation): it is an
+    # expected deviation, not a failure of the gate.
+    expected: str | None = None
+    # The family's contracts with elements whose elements alone hold this record's failure
+    # (it passes without them): what `attncheck expectations init` may declare not promised.
+    contracts_broken: tuple[str, ...] | None = None
     # Stamped by the writer.
     run_id: str = ""
     worker: str = ""
@@ -109,6 +118,11 @@ class Record(CaseRun):
     @property
     def passed(self) -> bool:
         return self.outcome == "pass"
+
+    @property
+    def failing(self) -> bool:
+        """Failed or errored, and no declared deviation excuses it: fails the gate."""
+        return not self.passed and self.expected is None
 
     @property
     def budget(self) -> float:
@@ -126,6 +140,8 @@ class Record(CaseRun):
         out["timings"] = dict(self.timings)
         out["metrics"] = None if self.metrics is None else self.metrics.to_json()
         out["error_map"] = None if self.error_map is None else self.error_map.to_json()
+        out["deviations"] = None if self.deviations is None else dict(self.deviations)
+        out["contracts_broken"] = None if self.contracts_broken is None else list(self.contracts_broken)
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
@@ -133,6 +149,8 @@ class Record(CaseRun):
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in fields}
         values["classes"] = tuple(values.get("classes", ()))
+        if values.get("contracts_broken") is not None:
+            values["contracts_broken"] = tuple(values["contracts_broken"])
         if values.get("metrics") is not None:
             values["metrics"] = Comparison.from_json(values["metrics"])
         if values.get("error_map") is not None:

@@ -99,7 +99,8 @@ def render_markdown(report: Report) -> str:
     totals, failing = report.totals, report.failing
     wall = "wall unknown" if report.wall_s is None else f"wall {report.wall_s:.0f} s"
     out = [f"# attncheck: {report.verdict}", "",
-           f"{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; "
+           f"{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing"
+           + (f", {totals.deviations} expected deviations" if totals.deviations else "") + "; "
            f"{wall}; run {md_code(report.run_id)}" + ("" if report.complete else " (**incomplete**)"), "",
            f"Platform: {md(platform_line(report))}", ""]
     if report.shard is not None:
@@ -143,14 +144,23 @@ def render_markdown(report: Report) -> str:
                               for c, n in sorted(classes.items()))
             out.append(f"- **{md(kernel)}**: {cells}")
         out.append("")
+    if report.deviations:
+        out += ["## Declared deviations", "",
+                "What an implementation knowingly does not do, each with its reason (`attncheck.expectations`): its "
+                "cases run and are reported, and do not fail the gate; an entry whose deviation no longer occurs does.",
+                "", "| family | implementation | deviation | reason | declared in | cases (showing it) | status |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {md(d.entry.family)} | {md_code(d.entry.implementation)} | {md(d.entry.kind)} "
+                f"{md_code(d.entry.name)} | {md(d.entry.reason)} | {md(d.entry.source)} | {d.cases} ({d.shown}) | "
+                f"{'**stale**' if d.status == 'stale' else md(d.status)} |" for d in report.deviations]
+        out.append("")
     if report.declared:
-        out += ["## Contracts and findings", "",
-                "What each family declares of its kernels: a *contract* is a property the gate holds the kernel to "
-                "on purpose, a *finding* a kernel bug or gap it knows of (not drawn, or a strict xfail).", ""]
+        out += ["## Contracts", "",
+                "What each family declares of its kernels: properties the gate holds every implementation to on "
+                "purpose.", ""]
         for kernel, declared in report.declared.items():
             out.append(f"- **{md(kernel)}**")
-            out += [f"  - contract: {md(line)}" for line in declared.contracts]
-            out += [f"  - finding: {md(line)}" for line in declared.findings]
+            out += [f"  - {md(line)}" for line in declared.contracts]
         out.append("")
     if report.parameters:
         out += render_parameters_markdown(report)
@@ -421,8 +431,12 @@ def render_html(report: Report, accepted: acc.AcceptedBudgets | None = None,
         f"<tr><td>{esc(k)}</td><td>{esc(c)}</td><td>{n.cases}</td><td>{n.failures}</td></tr>"
         for k, classes in report.coverage.items() for c, n in sorted(classes.items()))
     declared_rows = "".join(
-        f"<tr><td>{esc(k)}</td><td>{kind}</td><td>{esc(line)}</td></tr>" for k, d in report.declared.items()
-        for kind, lines in (("contract", d.contracts), ("finding", d.findings)) for line in lines)
+        f"<tr><td>{esc(k)}</td><td>{esc(line)}</td></tr>" for k, d in report.declared.items() for line in d.contracts)
+    deviation_rows = "".join(
+        f"<tr class='{'bad' if d.status == 'stale' else ''}'><td>{esc(d.entry.family)}</td>"
+        f"<td><code>{esc(d.entry.implementation)}</code></td><td>{esc(d.entry.kind)} <code>{esc(d.entry.name)}</code></td>"
+        f"<td>{esc(d.entry.reason)}</td><td>{esc(d.entry.source)}</td><td>{d.cases} ({d.shown})</td>"
+        f"<td>{esc(d.status)}</td></tr>" for d in report.deviations)
     parameter_rows = "".join(
         f"<tr class='{'' if values.varied or parameters.fixed_reason(name, report.fixed_parameters.get(k, {})) else 'bad'}'>"
         f"<td>{esc(k)}</td><td><code>{esc(name)}</code></td><td>{esc(_values(values))}</td>"
@@ -451,7 +465,7 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 </style></head><body>
 <h1>attncheck report</h1>
 <p class="status {'pass' if ok else 'fail'}">{esc(report.verdict)}</p>
-<p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing; run <code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
+<p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing{f", {totals.deviations} expected deviations" if totals.deviations else ""}; run <code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
 <p class="note">Platform: {esc(platform_line(report))}</p>
 <p class="nav">{nav}</p>
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
@@ -473,7 +487,8 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 <h2 id="summary">Summary</h2><table><tr><th>kernel</th><th>impl</th><th>backend</th><th>dtype</th><th>direction</th><th>cases</th><th>failures</th><th>worst budget</th><th>worst case</th></tr>{rows}</table>
 {'<h2>Backends not run</h2><ul>' + skipped + '</ul>' if skipped else ''}
 <h2 id="coverage">Coverage of bug classes</h2><table><tr><th>kernel</th><th>class</th><th>cases</th><th>failures</th></tr>{coverage}</table>
-{'<h2 id="declared">Contracts and findings</h2><table><tr><th>kernel</th><th></th><th>what</th></tr>' + declared_rows + '</table>' if declared_rows else ''}
+{'<h2 id="deviations">Declared deviations</h2><table><tr><th>family</th><th>implementation</th><th>deviation</th><th>reason</th><th>declared in</th><th>cases (showing it)</th><th>status</th></tr>' + deviation_rows + '</table>' if deviation_rows else ''}
+{'<h2 id="declared">Contracts</h2><table><tr><th>kernel</th><th>contract</th></tr>' + declared_rows + '</table>' if declared_rows else ''}
 <h2 id="parameters">Parameter coverage</h2><table><tr><th>kernel</th><th>parameter</th><th>values (cases)</th><th>fixed because</th></tr>{parameter_rows}</table>
 <script>{COPY_SCRIPT}</script>
 </body></html>

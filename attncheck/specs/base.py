@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from attncheck import coverage, parameters
 from attncheck.cases import Case, Params, check_params_type
 from attncheck.coverage import BugClass
+from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, KINDS, Contract, Expectation, Shipped
 from attncheck.report.errormap import ErrorMapLayout
 
 P = TypeVar("P", bound=Params)
@@ -39,10 +40,6 @@ class InvalidCall:
     call: Callable[[], Any]
     error: type[BaseException] | tuple[type[BaseException], ...]  # raised by the family's own implementations
     match: str  # regex the message must contain (names the offending argument): any implementation
-    # A kernel finding: the family's own implementation accepts this call today. Its test on
-    # that implementation is a strict xfail with this text as the reason, so it turns into a
-    # failure the day the kernel rejects the call (then drop the finding).
-    finding: str | None = None
 
 
 class KernelSpec(abc.ABC, Generic[P]):
@@ -64,13 +61,13 @@ class KernelSpec(abc.ABC, Generic[P]):
       one value (``attncheck.parameters``: every other parameter must vary in a run);
     - ``keyword_targets``: "module:function" of what an implementation's ``**kwargs`` are
       forwarded to, so that their keywords are part of its parameter surface;
-    - ``contracts``, ``findings``: what the report lists for the family: properties of its
-      kernels the gate holds them to on purpose (the oracle is given what the kernel is
-      declared to compute), and kernel bugs or gaps it knows of (kept out of the draws, or
-      a strict xfail), one sentence each;
-    - ``own_contracts``: the contracts (among ``contracts``) that only the family's own
-      implementations promise, not the convention: another implementation is not held to
-      them, and the elements they fix (``own_contract_elements``) do not count for it.
+    - ``contracts``: :class:`~attncheck.expectations.Contract` objects, properties of its kernels
+      the gate holds every implementation to on purpose (the oracle is given what the
+      kernel is declared to compute), one sentence each; one that fixes particular
+      elements (``Contract.elements``) can be declared not promised by an implementation;
+    - ``expectations``: :class:`~attncheck.expectations.Shipped` entries, the family's own
+      findings: deviations of its default implementations (bug classes, invalid calls,
+      contracts), each with its reason. They run like any user's declared deviation.
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -84,9 +81,8 @@ class KernelSpec(abc.ABC, Generic[P]):
     examples: ClassVar[Mapping[str, int]] = types.MappingProxyType({})
     fixed_parameters: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     keyword_targets: ClassVar[tuple[str, ...]] = ()
-    contracts: ClassVar[tuple[str, ...]] = ()
-    findings: ClassVar[tuple[str, ...]] = ()
-    own_contracts: ClassVar[tuple[str, ...]] = ()
+    contracts: ClassVar[tuple[Contract, ...]] = ()
+    expectations: ClassVar[tuple[Shipped, ...]] = ()
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS
@@ -107,6 +103,15 @@ class KernelSpec(abc.ABC, Generic[P]):
         names = [c.name for c in self.bug_classes]
         if len(names) != len(set(names)):
             raise TypeError(f"{type(self).__name__}: bug class names repeat: {names}")
+        contracts = [c.name for c in self.contracts]
+        if len(contracts) != len(set(contracts)) or not all(isinstance(c, Contract) for c in self.contracts):
+            raise TypeError(f"{type(self).__name__}: contracts must be Contracts with distinct names: {contracts}")
+        for e in self.expectations:
+            known = {BUG_CLASS: names, CONTRACT: [c.name for c in self.contracts if c.elements is not None],
+                     INVALID_CALL: None}.get(e.kind, ())
+            if e.impl not in self.default_impls or e.kind not in KINDS or (known is not None and e.name not in known):
+                raise TypeError(f"{type(self).__name__}: expectation {e} must name a default implementation "
+                                f"({list(self.default_impls)}), a kind of {KINDS} and one of the family's own")
 
     # ------------------------------------------------------------------ cases
     @abc.abstractmethod
@@ -171,9 +176,16 @@ class KernelSpec(abc.ABC, Generic[P]):
         """Direction -> mask of elements that count (False: don't-care padding)."""
         return {}
 
-    def own_contract_elements(self, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Direction -> mask of the elements only ``own_contracts`` fix."""
-        return {}
+    def deviation_elements(self, entry: Expectation, case: Case[P], inputs: dict[str, np.ndarray]
+                           ) -> Mapping[str, np.ndarray] | None:
+        """Direction -> mask of the elements a declared deviation touches in this case (the
+        elements of a contract not promised, or of a bug class that says which), or None
+        when the family cannot say: then the whole case may deviate."""
+        if entry.kind == CONTRACT:
+            contract = next(c for c in self.contracts if c.name == entry.name)
+            return contract.elements(case, inputs)
+        bug_class = next(c for c in self.bug_classes if c.name == entry.name)
+        return None if bug_class.affects is None else bug_class.affects(case, inputs)
 
     def index_names(self, direction: str) -> tuple[str, ...] | None:
         """Names of the axes of a direction's array, for reproducer messages."""

@@ -31,6 +31,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.expectations import Contract
 from attncheck.specs.base import BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
 
 FAMILY = "dot_product_attention"
@@ -200,8 +201,9 @@ class DPASpec(KernelSpec[DPAParams]):
         # Off the usual tiles (sequences not multiples of 8 / 128): padding must stay hidden.
         shape_off_tiles=_off_tiles)
     examples = {"xla": 8, "interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
-    contracts = ("jax.nn's convention: a row that sees no key outputs the mean of v over all keys with that "
-                 "mean's gradient; rows past a query length output 0 and take no gradient",)
+    contracts = (Contract("unseeing_rows_and_padding", "jax.nn's convention: a row that sees no key outputs the mean "
+                          "of v over all keys with that mean's gradient; rows past a query length output 0 and take no "
+                          "gradient"),)
     fixed_parameters = {
         "mask.dtype": "the convention's mask is boolean (another dtype is an invalid call)",
         "*_seq_lengths.dtype": "the convention's lengths are int32 (another dtype is an invalid call)",

@@ -22,6 +22,7 @@ from attncheck import coverage, oracle
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
+from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
 
@@ -110,8 +111,8 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
                                "(a dropout wrapper of it with rng)",
                         "rng.dtype": "the key type of jax.random.key, the convention's rng"}
     examples = {"xla": 64}
-    contracts = ("with rng, chunk i calls ffn(params, x_i, rng=fold_in(rng, i)): the oracle applies the dropout "
-                 "masks that contract implies",)
+    contracts = (Contract("dropout_per_chunk", "with rng, chunk i calls ffn(params, x_i, rng=fold_in(rng, i)): the "
+                          "oracle applies the dropout masks that contract implies"),)
 
     def cases(self):
         return ffn_cases()

@@ -29,6 +29,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
+from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, accepted_keywords
 
@@ -229,10 +230,11 @@ class FlashSpec(KernelSpec[FlashParams]):
         block_b_gt_1=lambda p: p.block_sizes["block_b"] > 1)
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     contracts = (
-        "a row that sees no key of its own segment averages v uniformly over the causally visible keys of the "
-        "other segments, with the softmax gradient at those weights, causal included (the kernel's docstring)",
-        "a -inf ab entry takes no part; a row whose visible ab is all -inf is 0 with zero gradient; NaN or +inf "
-        "in ab where the mask hides the key changes nothing (the kernel's docstring)")
+        Contract("absent_segment_rows", "a row that sees no key of its own segment averages v uniformly over the "
+                 "causally visible keys of the other segments, with the softmax gradient at those weights, causal "
+                 "included (the kernel's docstring)"),
+        Contract("nonfinite_bias", "a -inf ab entry takes no part; a row whose visible ab is all -inf is 0 with zero "
+                 "gradient; NaN or +inf in ab where the mask hides the key changes nothing (the kernel's docstring)"))
 
     def cases(self):
         return flash_cases()

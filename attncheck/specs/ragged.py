@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
+from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
 
@@ -228,6 +229,12 @@ def rows_end_in_different_kv_blocks(p: RaggedParams) -> bool:
     return False
 
 
+def _padding_rows(case, inputs) -> dict[str, np.ndarray]:
+    """The output rows of tokens past cu_q_lens[num_seqs]."""
+    tokens = np.arange(case.params.shapes.max_tokens)
+    return {"out": (tokens >= inputs["cu_q_lens"][inputs["num_seqs"][0]])[:, None, None]}
+
+
 class RaggedSpec(KernelSpec[RaggedParams]):
     name = FAMILY
     fixed_parameters = {
@@ -277,12 +284,13 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         compact_layout=lambda p: p.layout == "compact",
         explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p))
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
-    own_contracts = ("output rows of tokens that belong to no sequence (past cu_q_lens[num_seqs]) are zeros (this "
-                     "kernel's promise, not the convention's: another implementation may leave them undefined)",)
     contracts = (
-        *own_contracts,
-        "an explicit mask_value must underflow like the default (the docstring: a larger one is block-size "
-        "dependent); unused pages, page tails and padding tokens hold NaN and must not leak")
+        Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "
+                 "cu_q_lens[num_seqs]) are zeros (this family's kernel promises it; an implementation that leaves them "
+                 "undefined declares it not promised)", elements=_padding_rows),
+        Contract("mask_value_and_padding", "an explicit mask_value must underflow like the default (the docstring: "
+                 "a larger one is block-size dependent); unused pages, page tails and padding tokens hold NaN and must "
+                 "not leak"))
 
     def cases(self):
         return ragged_cases()
@@ -380,10 +388,6 @@ class RaggedSpec(KernelSpec[RaggedParams]):
 
     def output_dtypes(self, case):
         return {"out": S.dtype_of(case.params.dtype)}
-
-    def own_contract_elements(self, case, inputs):
-        tokens = np.arange(case.params.shapes.max_tokens)
-        return {"out": (tokens >= inputs["cu_q_lens"][inputs["num_seqs"][0]])[:, None, None]}
 
     def index_names(self, direction):
         return ("token", "q_head", "dim")

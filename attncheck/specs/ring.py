@@ -30,6 +30,7 @@ from attncheck import backends, coverage, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
+from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
 
@@ -199,8 +200,8 @@ class RingSpec(KernelSpec[RingParams]):
     per_device_lens = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
     max_tokens = 256
     fixed_parameters = {"dropout_rng.dtype": "the key type of jax.random.key, the convention's rng"}
-    contracts = ("a query that sees no key (its segment absent from kv, a -inf bias row, an all-False mask row) "
-                 "outputs 0 with no gradient, on whichever device its keys live",)
+    contracts = (Contract("unseeing_rows", "a query that sees no key (its segment absent from kv, a -inf bias row, an "
+                          "all-False mask row) outputs 0 with no gradient, on whichever device its keys live"),)
 
     def cases(self):
         return ring_cases(self.name, self.per_device_lens, self.head_dims, self.params_type, self.max_tokens)

@@ -36,6 +36,7 @@ from attncheck import backends, coverage, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
+from attncheck.expectations import BUG_CLASS, INVALID_CALL, Contract, Shipped
 from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "splash_attention"
@@ -412,14 +413,23 @@ def forward_nan_rows_reach_backward(p: SplashParams) -> bool:
     blocks computes exp(qk - lse) = inf and rowsum(dO * O) = NaN for them: dq of those rows
     and, in the dkv pass, dk and dv of every key it visits come out NaN, though the rows'
     cotangent is zero (bottom-right causal with q_len > kv_len, forward q blocks of 128,
-    backward ones of 256). Such cases are not drawn; tests/gate/test_splash_findings.py
-    keeps one as a strict xfail."""
-    masks = head_masks(p)
-    blocks = pass_blocks(p)
-    bq, bkv = blocks["fwd"]
-    nan_rows = np.repeat((occupancy(masks, bq, bkv) == 0).all(axis=-1), bq, axis=-1)  # [H, Q]
-    return any((nan_rows & np.repeat((occupancy(masks, q_block, kv_block) > 0).any(axis=-1), q_block, axis=-1)).any()
-               for name, (q_block, kv_block) in blocks.items() if name != "fwd")
+    backward ones of 256). A bug class whose deviation jax's kernel declares (the family's
+    expectations): out is judged, dq of those rows and dk, dv are not (``_nan_backward``)."""
+    nan_rows = _forward_nan_rows(p)
+    return any((nan_rows & np.repeat((occupancy(head_masks(p), q_block, kv_block) > 0).any(axis=-1), q_block,
+                                     axis=-1)).any()
+               for name, (q_block, kv_block) in pass_blocks(p).items() if name != "fwd")
+
+
+def _forward_nan_rows(p: SplashParams) -> np.ndarray:
+    """[H, Q]: the rows of the forward q blocks that visit no kv block."""
+    bq, bkv = pass_blocks(p)["fwd"]
+    return np.repeat((occupancy(head_masks(p), bq, bkv) == 0).all(axis=-1), bq, axis=-1)
+
+
+def _nan_backward(case, inputs) -> dict[str, np.ndarray]:
+    """Where forward_nan_rows_reach_backward shows: dq of the rows without keys, dk and dv."""
+    return {"dq": _forward_nan_rows(case.params)[..., None], "dk": np.bool_(True), "dv": np.bool_(True)}
 
 
 def _sharded_grid_occupancies(p: SplashParams) -> list[np.ndarray]:
@@ -436,8 +446,8 @@ def q_seq_shards_without_partial_blocks(p: SplashParams) -> bool:
     """Kernel finding (jax 0.12.0.1): one mask for every head with no partial block at a
     pass's block size (a FullMask), and q_seq_shards > 1: make_splash_mha fails in its mask
     processing (``np.concatenate`` of no mask_next shards: "need at least one array to
-    concatenate") when it shrinks the grid (``_sharded_grid_occupancies``). Such cases are
-    not drawn; tests/gate/test_splash_findings.py keeps one as a strict xfail."""
+    concatenate") when it shrinks the grid (``_sharded_grid_occupancies``). A bug class
+    whose deviation jax's kernel declares (the family's expectations)."""
     return any(not (blocks == 1).any() for blocks in _sharded_grid_occupancies(p))
 
 
@@ -445,14 +455,10 @@ def q_seq_shard_without_keys(p: SplashParams) -> bool:
     """Kernel finding (jax 0.12.0.1): one mask for every head, q_seq_shards > 1, and a q
     shard none of whose queries sees a key at a pass's block size (bottom-right causal with
     q_len > kv_len): make_splash_mha's mask processing shrinks that shard's block mask to
-    nothing and stops at a bare ``assert current_block_mask.size > 0``. Such cases are not
-    drawn; tests/gate/test_splash_findings.py keeps one as a strict xfail."""
+    nothing and stops at a bare ``assert current_block_mask.size > 0``. A bug class whose
+    deviation jax's kernel declares (the family's expectations)."""
     return any((blocks.reshape(p.q_seq_shards, -1) == 0).all(axis=-1).any()
                for blocks in _sharded_grid_occupancies(p))
-
-
-# Conditions under which jax's kernel is known to be wrong: not drawn, pinned as strict xfails.
-KNOWN_FINDINGS = (forward_nan_rows_reach_backward, q_seq_shards_without_partial_blocks, q_seq_shard_without_keys)
 
 
 def bwd_blocks_differ(p: SplashParams) -> bool:
@@ -514,7 +520,11 @@ class SplashSpec(KernelSpec[SplashParams]):
         int16_segment_ids=lambda p: p.segment_dtype == "int16" and p.device_count == 1,
         bf16=lambda p: p.dtype == "bfloat16",
         large_logits=lambda p: p.values == "large",
-        exact_ties=lambda p: p.values == "ties")
+        exact_ties=lambda p: p.values == "ties",
+        # jax's kernel's findings (declared below): their cases run like any other.
+        forward_nan_rows_reach_backward=coverage.Touching(forward_nan_rows_reach_backward, _nan_backward),
+        q_seq_shards_without_partial_blocks=q_seq_shards_without_partial_blocks,
+        q_seq_shard_without_keys=q_seq_shard_without_keys)
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     fixed_parameters = {
         "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "
@@ -524,21 +534,25 @@ class SplashSpec(KernelSpec[SplashParams]):
         "save_residuals": "returns the forward's logsumexp residuals besides the output: not part of the "
                           "convention's output, not judged",
         "residual_checkpoint_name": "a name for jax.checkpoint policies: changes no value"}
-    contracts = ("a query that sees no key is undefined (the mean of v over the kv blocks its q block visits, "
-                 "or NaN): its output is don't-care, its cotangent zero, and nothing may leak into other rows",)
-    findings = (
-        "a forward q block that visits no kv block outputs NaN; a larger backward q block holding those rows "
-        "makes their dq and the dk, dv of every key it visits NaN (not drawn; strict xfail in "
-        "tests/gate/test_splash_findings.py)",
-        "one mask for every head with no partial block and q_seq_shards > 1: make_splash_mha fails in its "
-        "mask processing (not drawn; strict xfail)",
-        "one mask for every head, q_seq_shards > 1 and a q shard that sees no key: make_splash_mha stops at a "
-        "bare assertion in its mask processing (not drawn; strict xfail)",
-        "a kernel built for a mask of K keys called with more keys attends to the first K only (invalid "
-        "call accepted; strict xfail)")
+    contracts = (Contract("unseeing_rows_undefined", "a query that sees no key is undefined (the mean of v over the "
+                          "kv blocks its q block visits, or NaN): its output is don't-care, its cotangent zero, and "
+                          "nothing may leak into other rows"),)
+    expectations = (
+        Shipped("builtin", BUG_CLASS, "forward_nan_rows_reach_backward", "a forward q block that visits no kv block "
+                "outputs NaN; a larger backward q block holding those rows makes their dq and the dk, dv of every key "
+                "it visits NaN (findings/issue_splash_backward_block_nan.md)"),
+        Shipped("builtin", BUG_CLASS, "q_seq_shards_without_partial_blocks", "one mask for every head with no "
+                "partial block and q_seq_shards > 1: make_splash_mha fails in its mask processing (\"need at least "
+                "one array to concatenate\"; findings/issue_splash_q_seq_shards_full_mask.md)"),
+        Shipped("builtin", BUG_CLASS, "q_seq_shard_without_keys", "one mask for every head, q_seq_shards > 1 and a q "
+                "shard that sees no key: make_splash_mha stops at a bare assertion in its mask processing "
+                "(findings/issue_splash_q_seq_shard_without_keys.md)"),
+        Shipped("builtin", INVALID_CALL, "kv_longer_than_mask", "a kernel built for a [H, 256, 256] mask, called with "
+                "kv_len 512, returns attention over the first 256 keys (no error, on TPU or in interpret mode; "
+                "findings/issue_splash_kv_longer_than_mask.md)"))
 
     def cases(self):
-        return splash_cases().filter(lambda case: not any(finding(case.params) for finding in KNOWN_FINDINGS))
+        return splash_cases()
 
     def inputs(self, case: Case[SplashParams]) -> dict[str, np.ndarray]:
         p = case.params
@@ -734,8 +748,7 @@ def invalid_splash_calls(impl) -> list[InvalidCall]:
             x, x, x, module.SegmentIds(jnp.zeros((s,), jnp.int32), jnp.zeros((s // 2,), jnp.int32))), ValueError,
                     r"kv segment_ids"),
         InvalidCall("kv_longer_than_mask", lambda: call(x, *(jnp.zeros((h, 2 * s, d), jnp.float32),) * 2),
-                    ValueError, r"(?i)mask", finding="a kernel built for a [H, 256, 256] mask, called with kv_len "
-                    "512, returns attention over the first 256 keys (no error, on TPU or in interpret mode)"),
+                    ValueError, r"(?i)mask"),
     ]
 
 

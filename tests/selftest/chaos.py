@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tests.selftest import toy_spec
 from tests.selftest.toy_spec import toy_attention, validate
 
 MISBEHAVE_AT = 2
@@ -162,3 +163,18 @@ def rejects_with_its_own_class(q, k, v, *, causal: bool, sm_scale: float):
     except ValueError as exc:
         raise ToyInputError(str(exc)) from None
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+# Set, deviates_on_causal is also wrong where its table declares nothing (a planted bug).
+PLANT_ENV = "ATTNCHECK_CHAOS_PLANT"
+
+
+def deviates_on_causal(q, k, v, *, causal: bool, sm_scale: float):
+    """A kernel that knowingly deviates: wrong on causal cases (the scale applied twice), and
+    it does not check the kv head dim (accepts that invalid call). With PLANT_ENV set, also
+    wrong on non-causal bfloat16 cases."""
+    if q.ndim != 4:
+        raise ValueError(f"q must have rank 4 [batch, heads, seq, head_dim], got shape {q.shape}")
+    wrong = causal or (os.environ.get(PLANT_ENV) and q.dtype == jnp.bfloat16)
+    logits = toy_spec._logits(q, k, causal, sm_scale * (sm_scale if wrong else 1.0))
+    return toy_spec._weighted(jax.nn.softmax(logits, axis=-1), v, q.dtype)

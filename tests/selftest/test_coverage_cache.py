@@ -46,16 +46,31 @@ def test_cached_examples_are_the_searched_ones_and_are_reused(toy, tmp_path, mon
 
 @pytest.mark.parametrize("content", [
     "{not json",
-    "[]",  # covers no class
-    json.dumps([{"family": "another_family", "params": {}, "seed": 0}]),
-    json.dumps([{"family": toy_spec.FAMILY, "params": {}, "seed": 0}]),  # a stale parameter set
+    "[]",  # the format of an older attncheck
+    json.dumps({"cases": [], "without_example": []}),  # covers no class
+    json.dumps({"cases": [{"family": "another_family", "params": {}, "seed": 0}], "without_example": []}),
+    json.dumps({"cases": [{"family": toy_spec.FAMILY, "params": {}, "seed": 0}],  # a stale parameter set
+                "without_example": []}),
 ])
 def test_an_unreadable_or_insufficient_cache_is_searched_again_and_rewritten(toy, tmp_path, content):
     searched = ids(fresh_examples(toy))
     [path] = cached_files(tmp_path)
     path.write_text(content)
     assert ids(fresh_examples(toy)) == searched
-    assert [c["family"] for c in json.loads(path.read_text())] == [toy_spec.FAMILY] * len(searched)
+    assert [c["family"] for c in json.loads(path.read_text())["cases"]] == [toy_spec.FAMILY] * len(searched)
+
+
+def test_a_class_no_case_can_exercise_is_a_named_hole_not_a_crash(toy, tmp_path, monkeypatch):
+    """A class the strategy cannot draw under the active profile (the nightly's shapes left
+    one flash class without any example, and the search's NoSuchExample ended the run's
+    collection): the others keep their examples, and the coverage table names the hole."""
+    never = coverage.BugClass("never_drawn", lambda p: False)
+    monkeypatch.setattr(type(toy), "bug_classes", (*toy.bug_classes, never))
+    found = fresh_examples(toy)
+    assert found and not any(never.applies(c.params) for c in found)
+    assert {n for c in found for n in toy.classes(c)} == set(toy.class_names) - {"never_drawn"}
+    assert json.loads(cached_files(tmp_path)[0].read_text())["without_example"] == ["never_drawn"]
+    assert ids(fresh_examples(toy)) == ids(found)  # the hole is remembered, not searched for again
 
 
 def test_the_key_changes_with_what_the_search_reads(toy, monkeypatch):

@@ -20,6 +20,7 @@ import pytest
 from attncheck import accepted, check, coverage, numerics
 from attncheck.backends import BACKENDS
 from attncheck.env import Platform
+from attncheck.expectations import Expectation
 from attncheck.report import errormap, history, merge, model, render
 from attncheck.report import records as rec
 from attncheck.report.policy import Declared, Policy
@@ -334,20 +335,25 @@ def test_markdown_lists_failures_with_reproducers_and_stays_short():
     assert all(len(re.split(r"(?<!\\)\|", row)) == 9 for row in failure_rows)
 
 
-DECLARED = Declared(contracts=("pages are computed with as bfloat16",),
-                          findings=("a q block that visits no kv block outputs NaN",))
+DECLARED = Declared(contracts=("pages are computed with as bfloat16",))
+NAN_ROWS = Expectation("toy_attention", "pkg.mod:fn", "bug_class", "causal", "a q block that visits no kv block "
+                       "outputs NaN", "pyproject.toml")
 
 
-def test_the_report_says_which_properties_are_contracts_and_which_are_findings():
-    report = report_of([record()], declared={"toy_attention": DECLARED, "other": Declared()})
+def test_the_report_lists_the_contracts_and_each_declared_deviation_with_how_it_stood():
+    deviation = model.DeviationStatus(NAN_ROWS, "stale", cases=3, shown=0)
+    report = report_of([record()], declared={"toy_attention": DECLARED, "other": Declared()},
+                       deviations=[deviation])
     assert report.declared == {"toy_attention": DECLARED}  # a family that declares nothing is left out
     markdown = render.render_markdown(report)
-    assert ("## Contracts and findings" in markdown
-            and "  - contract: pages are computed with as bfloat16" in markdown
-            and "  - finding: a q block that visits no kv block outputs NaN" in markdown)
+    assert "## Contracts" in markdown and "  - pages are computed with as bfloat16" in markdown
+    assert "## Declared deviations" in markdown and (
+        "| toy_attention | <code>pkg.mod:fn</code> | bug_class <code>causal</code> | a q block that visits no kv "
+        "block outputs NaN | pyproject.toml | 3 (0) | **stale** |") in markdown, markdown
     html = render.render_html(report)
-    assert "<td>finding</td><td>a q block that visits no kv block outputs NaN</td>" in html
-    assert "Contracts and findings" not in render.render_markdown(report_of([record()]))
+    assert "<td>a q block that visits no kv block outputs NaN</td>" in html and "<td>stale</td>" in html
+    assert "Declared deviations" not in render.render_markdown(report_of([record()]))
+    assert model.DeviationStatus.from_json(json.loads(json.dumps(deviation.to_json()))) == deviation
 
 
 def test_markdown_of_a_clean_run_says_pass():

@@ -125,9 +125,10 @@ def test_a_kernel_factory_that_is_a_partial_is_named_after_its_module_attribute(
     ({"block_q_dkv": 256}, True, True),  # fused: dq comes from the dkv pass
     ({"block_q": 256, "block_q_dkv": 256, "block_q_dq": 256}, False, False),  # no forward q block without keys
 ])
-def test_the_excluded_finding_is_a_forward_nan_block_inside_a_visited_backward_block(blocks, fused, leaks):
+def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_block(blocks, fused, leaks):
     """Measured on jax 0.12.0.1 (bottom-right causal, q_len 256 > kv_len 128): NaN in dq,
-    or in dk and dv, exactly for the configurations marked leaks (tests/gate/test_splash_findings.py)."""
+    or in dk and dv, exactly for the configurations marked leaks (the class whose deviation
+    jax's kernel declares; findings/repro_splash_backward_block_nan.py)."""
     sizes = dict(params().blocks) | blocks
     if fused:
         sizes = {name: size for name, size in sizes.items() if name not in ("block_q_dq", "block_kv_dq")}
@@ -141,6 +142,6 @@ def test_the_excluded_finding_is_a_forward_nan_block_inside_a_visited_backward_b
     ((("causal", 0),) * 2, 2, False, False),  # diagonal blocks are partial
     ((("full",), ("causal", 0)), 2, False, False),  # a mask per head: the grid is not shrunk
 ])
-def test_the_excluded_crash_is_one_mask_without_partial_blocks_over_q_shards(masks, q_seq_shards, fused, crashes):
+def test_the_declared_crash_is_one_mask_without_partial_blocks_over_q_shards(masks, q_seq_shards, fused, crashes):
     p = params(q_len=256, kv_len=256, masks=masks, q_seq_shards=q_seq_shards, fused_bwd=fused)
     assert splash.q_seq_shards_without_partial_blocks(p) is crashes

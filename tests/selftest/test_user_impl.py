@@ -68,32 +68,3 @@ def test_invalid_calls_that_cannot_be_built_are_one_failing_test_not_a_collectio
     tests = selection.invalid_input_tests(selection.Options(kernels="flash_attention"))
     assert [(t.id, t.call, t.unbuilt) for t in tests] == [
         ("flash_attention-builtin-invalid_calls", None, "AttributeError: module 'theirs' has no attribute 'BlockSizes'")]
-
-
-def padding_rows_nan(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-    """The family's own ragged kernel with NaN in the rows past the last sequence, which the
-    convention leaves undefined and only that kernel promises to zero."""
-    import jax.numpy as jnp
-
-    from kernels.ragged_paged_attention import ragged_paged_attention
-
-    out = ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    padding = jnp.arange(out.shape[0]) >= cu_q_lens[num_seqs[0]]
-    return jnp.where(padding[:, None, None], jnp.nan, out)
-
-
-def test_only_the_family_own_ragged_kernel_is_held_to_zero_rows_past_the_last_sequence(monkeypatch):
-    from attncheck import check, coverage
-    from attncheck.backends import BACKENDS
-
-    spec = specs.all_specs()["ragged_paged_attention"]
-    case = next(c for c in coverage.examples(spec) if "rows_past_the_last_sequence" in spec.classes(c))
-
-    def outcomes(impl_name: str) -> set[str]:
-        records = check.check_case(check.Target(spec, impl_name, padding_rows_nan, BACKENDS["interpret"]), case).records
-        return {r.outcome for r in records}
-
-    assert outcomes("user") == {"pass"}
-    # The same implementation as the family's own: the promise is its own, and it breaks it.
-    monkeypatch.setattr(type(spec), "default_impls", {"builtin": f"{__name__}:padding_rows_nan"})
-    assert outcomes("builtin") == {"fail"}

@@ -1,0 +1,185 @@
+"""Declared deviations: what an implementation of a family knowingly does not do, each
+with its reason, so that a team whose kernel deviates runs the gate green and strict on
+everything else, and the families' own findings live in the same table.
+
+An entry names a family, an implementation ("module:function", as ``--attncheck-impl``
+names it) and one thing the implementation does not promise:
+
+- ``bug_class``: the cases of one of the family's bug classes may deviate. Where the class
+  says which elements its deviation touches (``coverage.BugClass.affects``), the rest of
+  each case is judged as usual; else a failing comparison of such a case is an expected
+  deviation.
+- ``invalid_call``: one of the family's invalid calls may be accepted, or rejected without
+  naming the argument (the test becomes a strict xfail).
+- ``contract``: one of the family's contracts that fixes elements (``Contract.elements``)
+  is not promised: those elements do not count.
+
+An expected deviation still runs and is reported as one; it never fails the gate. An entry
+whose deviation no longer occurs in a run that exercised it fails the gate (a stale entry:
+the kernel was fixed), and an entry that names nothing the family has is a usage error.
+Tables live in the user's repository: ``[[tool.attncheck.expect]]`` in the pyproject.toml of
+the run's root directory, or ``[[expect]]`` in a file given by ``--attncheck-expectations``;
+``attncheck expectations init`` writes one from a failing run. The families ship their own
+findings as entries for their default implementations (``KernelSpec.expectations``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+BUG_CLASS, INVALID_CALL, CONTRACT = "bug_class", "invalid_call", "contract"
+KINDS = (BUG_CLASS, INVALID_CALL, CONTRACT)
+# How a deviation stood in a run.
+OCCURS, STALE, NOT_EXERCISED = "occurs", "stale", "not exercised"
+SHIPPED = "shipped with the family"
+DEFAULT_TABLE = "pyproject.toml"
+
+
+class ExpectationError(ValueError):
+    """A table or an entry that cannot be used; the message names the file and the entry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """A property the family holds its implementations to, in one sentence. One that fixes
+    particular elements (``elements(case, inputs) -> direction -> mask``) can be declared
+    not promised by an implementation: those elements then do not count for it."""
+
+    name: str
+    text: str
+    elements: Callable[[Any, Mapping], Mapping] | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+    """One declared deviation of one implementation of a family."""
+
+    family: str
+    implementation: str  # "module:function"
+    kind: str  # one of KINDS
+    name: str  # the bug class, the invalid call's description or the contract
+    reason: str
+    source: str = ""  # where it was declared
+
+    @property
+    def id(self) -> str:
+        """Unique in a run: the implementation, the kind and the name."""
+        return f"{self.implementation}/{self.kind}:{self.name}"
+
+    def describe(self) -> str:
+        return f"{self.family} / {self.implementation}: {self.kind.replace('_', ' ')} {self.name}"
+
+    def to_json(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Expectation:
+        return cls(**{f.name: str(data[f.name]) for f in dataclasses.fields(cls) if f.name in data})
+
+
+@dataclasses.dataclass(frozen=True)
+class Shipped:
+    """An entry a family ships for one of its default implementations (named as in
+    ``KernelSpec.default_impls``): one of its own findings."""
+
+    impl: str
+    kind: str
+    name: str
+    reason: str
+
+
+def shipped(spec) -> list[Expectation]:
+    """A family's own entries, for the references of its default implementations."""
+    return [Expectation(spec.name, spec.default_impls[e.impl], e.kind, e.name, e.reason, SHIPPED)
+            for e in spec.expectations]
+
+
+# ------------------------------------------------------------------ tables
+def _entries(data: Mapping, path: pathlib.Path) -> list:
+    """The list of entries of a parsed table: [[expect]], or [[tool.attncheck.expect]]."""
+    table = data.get("tool", {}).get("attncheck", {}) if path.name == DEFAULT_TABLE else data
+    entries = table.get("expect", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        where = "[[tool.attncheck.expect]]" if path.name == DEFAULT_TABLE else "[[expect]]"
+        raise ExpectationError(f"{path}: {where} must be an array of tables")
+    return entries
+
+
+def read(path: pathlib.Path, *, required: bool = True) -> list[Expectation]:
+    """The entries of a table file, each checked for its form (not yet against the
+    families: ``validate``). A pyproject.toml without the table holds none."""
+    path = pathlib.Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        if required:
+            raise ExpectationError(f"{path}: no such file") from None
+        return []
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ExpectationError(f"{path}: cannot read it ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ExpectationError(f"{path}: not TOML ({exc})") from None
+    out = []
+    for n, entry in enumerate(_entries(data, path)):
+        where = f"{path}: entry {n + 1}"
+        kinds = [k for k in KINDS if k in entry]
+        unknown = sorted(set(entry) - {"family", "implementation", "reason", *KINDS})
+        if unknown:
+            raise ExpectationError(f"{where}: unknown key(s) {unknown}; an entry has family, implementation, "
+                                   f"reason and one of {', '.join(KINDS)}")
+        if len(kinds) != 1:
+            raise ExpectationError(f"{where}: expected exactly one of {', '.join(KINDS)}, got {kinds or 'none'}")
+        missing = [k for k in ("family", "implementation", "reason") if not str(entry.get(k, "")).strip()]
+        if missing:
+            raise ExpectationError(f"{where}: {', '.join(missing)} missing or empty (every entry says why)")
+        if not all(isinstance(entry[k], str) for k in ("family", "implementation", "reason", kinds[0])):
+            raise ExpectationError(f"{where}: family, implementation, reason and {kinds[0]} must be strings")
+        out.append(Expectation(entry["family"], entry["implementation"], kinds[0], entry[kinds[0]],
+                               entry["reason"].strip(), str(path)))
+    return out
+
+
+def validate(entries: Iterable[Expectation], families: Mapping[str, Any],
+             invalid_calls: Callable[[Any, str], list[str]]) -> list[Expectation]:
+    """The entries, each naming something its family has (``invalid_calls(spec, ref)``:
+    the descriptions of the family's invalid calls for that implementation), none twice."""
+    seen: dict[str, Expectation] = {}
+    for e in entries:
+        where = f"{e.source}: {e.describe()}"
+        spec = families.get(e.family)
+        if spec is None:
+            raise ExpectationError(f"{where}: no family {e.family!r} (known: {', '.join(sorted(families))})")
+        if e.kind == BUG_CLASS:
+            known = list(spec.class_names)
+        elif e.kind == CONTRACT:
+            known = [c.name for c in spec.contracts if c.elements is not None]
+        else:
+            known = invalid_calls(spec, e.implementation)
+        if e.name not in known:
+            raise ExpectationError(f"{where}: the family has no {e.kind.replace('_', ' ')} {e.name!r} that can be "
+                                   f"declared (known: {', '.join(known) or 'none'})")
+        if e.id in seen and seen[e.id].family == e.family:
+            raise ExpectationError(f"{where}: declared twice ({seen[e.id].source} and {e.source})")
+        seen[e.id] = e
+    return list(seen.values())
+
+
+def for_target(entries: Iterable[Expectation], family: str, implementation: str) -> tuple[Expectation, ...]:
+    """The entries of one family x implementation."""
+    return tuple(e for e in entries if e.family == family and e.implementation == implementation)
+
+
+def toml(entries: Iterable[Expectation], *, pyproject: bool) -> str:
+    """The entries as a TOML table: ``[[tool.attncheck.expect]]`` for a pyproject.toml, else
+    ``[[expect]]``."""
+    header = "[[tool.attncheck.expect]]" if pyproject else "[[expect]]"
+
+    def quoted(text: str) -> str:
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    return "".join(f"\n{header}\nfamily = {quoted(e.family)}\nimplementation = {quoted(e.implementation)}\n"
+                   f"{e.kind} = {quoted(e.name)}\nreason = {quoted(e.reason)}\n" for e in entries)
