@@ -112,20 +112,22 @@ def _nonfinite_mismatch(kernel: np.ndarray, oracle: np.ndarray, care: np.ndarray
 def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> Comparison:
     """Judge `kernel` (any float dtype) against `oracle` (float64) using the `yardstick`.
 
-    `dtype` is the dtype the kernel's output is delivered in (ulps are counted in it);
-    `care` is an optional boolean mask broadcastable to the arrays: False marks
-    don't-care elements (padding rows) that are excluded from every metric.
+    `yardstick` is one array or a tuple of them (the same naive computation summed in
+    several orders): its error is the largest of theirs. `dtype` is the dtype the kernel's
+    output is delivered in (ulps are counted in it); `care` is an optional boolean mask
+    broadcastable to the arrays: False marks don't-care elements (padding rows) that are
+    excluded from every metric.
     """
     kernel = np.asarray(kernel, dtype=np.float64)
     oracle = np.asarray(oracle, dtype=np.float64)
-    yardstick = np.asarray(yardstick, dtype=np.float64)
-    if kernel.shape != oracle.shape or yardstick.shape != oracle.shape:
+    yardsticks = [np.asarray(y, dtype=np.float64) for y in (yardstick if isinstance(yardstick, tuple) else (yardstick,))]
+    if kernel.shape != oracle.shape or any(y.shape != oracle.shape for y in yardsticks):
         raise ValueError(f"{direction}: shapes differ: kernel {kernel.shape}, oracle {oracle.shape}, "
-                         f"yardstick {yardstick.shape}")
+                         f"yardstick {', '.join(str(y.shape) for y in yardsticks)}")
     if care is None:
         care = np.ones(oracle.shape, dtype=bool)
     care = np.broadcast_to(np.asarray(care, dtype=bool), oracle.shape)
-    k, o, y = kernel[care], oracle[care], yardstick[care]
+    k, o = kernel[care], oracle[care]
     r = r_for_direction(direction)
     finite_o = o[np.isfinite(o)]
     scale = float(np.max(np.abs(finite_o))) if finite_o.size else 0.0
@@ -133,10 +135,13 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
 
     mismatch = _nonfinite_mismatch(kernel, oracle, care)
     both_finite = np.isfinite(k) & np.isfinite(o)
-    kf, of, yf = k[both_finite], o[both_finite], y[both_finite]
+    kf, of = k[both_finite], o[both_finite]
     abs_err = np.abs(kf - of)
-    yardstick_finite = np.isfinite(yf)
-    yardstick_err = float(np.max(np.abs(yf[yardstick_finite] - of[yardstick_finite]), initial=0.0))
+    yardstick_err = 0.0
+    for y in yardsticks:
+        yf = y[care][both_finite]
+        finite = np.isfinite(yf)
+        yardstick_err = max(yardstick_err, float(np.max(np.abs(yf[finite] - of[finite]), initial=0.0)))
     allowed = r * yardstick_err + a
     max_abs = float(np.max(abs_err, initial=0.0))
     rel_denominator = np.maximum(np.abs(of), dtype_eps(dtype) * max(scale, dtype_tiny(dtype)))

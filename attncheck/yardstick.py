@@ -23,7 +23,9 @@ a different algorithm.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,32 @@ _MASKED_LOGIT = -1e30
 # so a row with fallback keys (the logits a kernel replaces by its mask value) averages
 # them alone.
 _HIDDEN_LOGIT = -3e38
+
+
+_ORDER = threading.local()
+
+
+@contextlib.contextmanager
+def reversed_sums():
+    """Every yardstick computed inside sums in the reverse order: its queries, keys and head
+    dims are reversed before the computation and restored after it. The same arithmetic,
+    another rounding: one summation order's worst error is one sample of what the working
+    precision costs, and a kernel sums in yet another order (tiles, blocks, a ring)."""
+    previous = getattr(_ORDER, "reversed", False)
+    _ORDER.reversed = True
+    try:
+        yield
+    finally:
+        _ORDER.reversed = previous
+
+
+def _reversing() -> bool:
+    return getattr(_ORDER, "reversed", False)
+
+
+def _flip(x, *axes):
+    """x with these axes reversed (None stays None): an involution, so it also restores."""
+    return None if x is None else np.flip(np.asarray(x), axis=axes)
 
 
 def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
@@ -128,8 +156,11 @@ def attention(q, k, v, *, scale, ab=None, bias=None, visible=None, soft_cap=None
     """Yardstick forward output only."""
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
-    return np.asarray(_attention(q, k, v, ab, bias, visible, scale=scale, soft_cap=soft_cap,
-                                 masked_rows=masked_rows))
+    flip = _reversing()
+    qkv = [_flip(x, 2, 3) if flip else x for x in (q, k, v)]
+    pairs = [_flip(x, -2, -1) if flip else x for x in (ab, bias, visible)]
+    out = np.asarray(_attention(*qkv, *pairs, scale=scale, soft_cap=soft_cap, masked_rows=masked_rows))
+    return _flip(out, 2, 3) if flip else out
 
 
 def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=None, fallback=None, soft_cap=None,
@@ -139,10 +170,17 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     names = ["dq", "dk", "dv"] + (["dab"] if ab is not None else []) + (["dbias"] if bias is not None else [])
-    out, grads = _forward_and_grads(q, k, v, ab, bias, visible, dropout_multiplier, fallback, d_out, scale=scale,
+    flip = _reversing()
+    # [B, H, S, D] arrays reverse S and D; [.., Q, K] ones Q and K (a broadcast axis of 1 stays).
+    seqs = [_flip(x, 2, 3) if flip else x for x in (q, k, v, d_out)]
+    pairs = [_flip(x, -2, -1) if flip else x for x in (ab, bias, visible, dropout_multiplier, fallback)]
+    ab, bias, visible, dropout_multiplier, fallback = pairs
+    out, grads = _forward_and_grads(*seqs[:3], ab, bias, visible, dropout_multiplier, fallback, seqs[3], scale=scale,
                                     soft_cap=soft_cap, masked_rows=masked_rows, seq_major=seq_major)
     result = {"out": np.asarray(out)}
     result.update({n: np.asarray(g) for n, g in zip(names, grads)})
+    if flip:
+        result = {n: _flip(x, -2, -1) if n in ("dab", "dbias") else _flip(x, 2, 3) for n, x in result.items()}
     return result
 
 
