@@ -1,5 +1,5 @@
 """attncheck command line: gate | report [merge DIR...] | repro CASE_ID | budgets accept | durations update |
-expectations init | mutate.
+expectations init | findings [export DIR] | mutate.
 
 Every bad or missing input ends in one line naming it and a non-zero exit, never a traceback.
 """
@@ -379,6 +379,36 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
     return list(dict.fromkeys(found)), undeclarable
 
 
+def cmd_findings(args) -> int:
+    """Every finding the gate holds: the kernels' own (with reproducer and issue draft), and
+    the deviations a run declared (``--report``)."""
+    from attncheck import findings
+
+    print(f"{'id':36} {'family':24} {'since':14} held by the gate as")
+    for f in findings.FINDINGS:
+        print(f"{f.id:36} {f.family:24} {f.since:14} {f.held_as}" + (" (by design)" if f.by_design else ""))
+        print(f"{'':36} {f.title}")
+        print(f"{'':36} in jax/{f.source}" + (f"; reproducer {f.reproducer.name}, draft {f.issue.name}"
+                                              if f.reproducer and f.issue else ""))
+    if args.report:
+        report = _read_report(pathlib.Path(args.report))
+        declared = [d for d in report.get("deviations", []) if d["entry"]["source"] != "shipped with the family"]
+        print(f"\ndeclared in the run of {args.report} ({len(declared)}):")
+        for d in declared:
+            e = d["entry"]
+            print(f"  {e['family']} / {e['implementation']}: {e['kind']} {e['name']}: {d['status']} "
+                  f"({d['shown']} of {d['cases']}): {e['reason']} [{e['source']}]")
+    return 0
+
+
+def cmd_findings_export(args) -> int:
+    from attncheck import findings
+
+    written = findings.export(pathlib.Path(args.directory))
+    print(f"wrote {len(written)} files to {args.directory}: " + ", ".join(p.name for p in written))
+    return 0
+
+
 def cmd_mutate(args) -> int:
     from attncheck.mutation import runner
     from attncheck.mutation.mutant import CatalogueError
@@ -460,6 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reason written in each entry ({family}, {implementation}, {kind} and {name} are filled "
                         "in; default: %(default)r)")
     i.set_defaults(func=cmd_expectations_init)
+    p = sub.add_parser("findings", help="the kernel findings the gate holds, with reproducers and issue drafts")
+    p.add_argument("--report", default=None, help="also list the deviations declared in this run's report")
+    p.set_defaults(func=cmd_findings)
+    fsub = p.add_subparsers(dest="action")
+    x = fsub.add_parser("export", help="write each finding's standalone reproducer and issue draft into DIR")
+    x.add_argument("directory", metavar="DIR")
+    x.set_defaults(func=cmd_findings_export)
     p = sub.add_parser("mutate", help="run the mutant catalogue against the gate")
     p.add_argument("--kernel", default=None)
     p.add_argument("--mutant", action="append", default=None)

@@ -209,7 +209,7 @@ class PagedSpec(KernelSpec[PagedParams]):
     expectations = (
         Shipped("jax", BUG_CLASS, "zero_length_not_inline", "with inline_seq_dim=False the output row of a length-0 "
                 "sequence is never written (NaN, or the previous sequence's output): the 2024 fix that initialises "
-                "the outputs covers only the inline path (findings/issue_paged_inline_false_empty_sequence.md)"),)
+                "the outputs covers only the inline path (attncheck finding paged_inline_false_empty_sequence)"),)
 
     def cases(self):
         return paged_cases()

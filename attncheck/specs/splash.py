@@ -540,16 +540,16 @@ class SplashSpec(KernelSpec[SplashParams]):
     expectations = (
         Shipped("builtin", BUG_CLASS, "forward_nan_rows_reach_backward", "a forward q block that visits no kv block "
                 "outputs NaN; a larger backward q block holding those rows makes their dq and the dk, dv of every key "
-                "it visits NaN (findings/issue_splash_backward_block_nan.md)"),
+                "it visits NaN (attncheck finding splash_backward_block_nan)"),
         Shipped("builtin", BUG_CLASS, "q_seq_shards_without_partial_blocks", "one mask for every head with no "
                 "partial block and q_seq_shards > 1: make_splash_mha fails in its mask processing (\"need at least "
-                "one array to concatenate\"; findings/issue_splash_q_seq_shards_full_mask.md)"),
+                "one array to concatenate\"; attncheck finding splash_q_seq_shards_full_mask)"),
         Shipped("builtin", BUG_CLASS, "q_seq_shard_without_keys", "one mask for every head, q_seq_shards > 1 and a q "
                 "shard that sees no key: make_splash_mha stops at a bare assertion in its mask processing "
-                "(findings/issue_splash_q_seq_shard_without_keys.md)"),
+                "(attncheck finding splash_q_seq_shard_without_keys)"),
         Shipped("builtin", INVALID_CALL, "kv_longer_than_mask", "a kernel built for a [H, 256, 256] mask, called with "
                 "kv_len 512, returns attention over the first 256 keys (no error, on TPU or in interpret mode; "
-                "findings/issue_splash_kv_longer_than_mask.md)"))
+                "attncheck finding splash_kv_longer_than_mask)"))
 
     def cases(self):
         return splash_cases()

@@ -1,0 +1,106 @@
+"""Findings upstream can act on: each deviation the gate found in the kernels jax ships,
+with a standalone reproducer and an issue draft beside this module.
+
+``repro_<id>.py`` needs only jax and numpy (never attncheck), builds its input literally,
+calls the kernel as its users do in interpret mode on CPU, prints the kernel against a
+plain reference at the worst element, and exits 1 with an AssertionError while the
+deviation is present (0 once it is fixed). ``issue_<id>.md`` is the report a jax
+maintainer can act on: environment, reproducer, expected vs actual, the kernel's lines,
+why it matters, a suggested fix. ``attncheck findings`` lists them; ``attncheck findings
+export DIR`` writes the pairs; ``tests/selftest/test_findings.py`` runs every reproducer
+on the pinned jax, and says "fixed upstream" of one that stops reproducing (its
+expectation goes stale in the gate too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+
+HERE = pathlib.Path(__file__).resolve().parent
+SINCE = "jax 0.12.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One deviation of a kernel jax ships. ``held_as``: how the gate holds it: the family's
+    declared deviation (``kind:name``, ``attncheck.expectations``) or its contract (the
+    kernel's property the oracle is given); ``by_design`` ones are behaviour the kernel's
+    own reference shares, stated as such and not filed."""
+
+    id: str
+    family: str
+    kernel: str  # the module its users call
+    title: str
+    source: str  # file and lines in jax 0.12.0.1, relative to the jax package
+    held_as: str
+    since: str = SINCE
+    by_design: bool = False
+
+    @property
+    def reproducer(self) -> pathlib.Path | None:
+        path = HERE / f"repro_{self.id}.py"
+        return path if path.is_file() else None
+
+    @property
+    def issue(self) -> pathlib.Path | None:
+        path = HERE / f"issue_{self.id}.md"
+        return path if path.is_file() else None
+
+
+_SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention"
+_PAGED = "jax.experimental.pallas.ops.tpu.paged_attention"
+_FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
+FINDINGS = (
+    Finding("rpa_empty_sequence_prefetch", "ragged_paged_attention", "jax.experimental.pallas.ops.tpu."
+            "ragged_paged_attention", "a sequence with q_len = kv_len = 0 makes the next sequence attend to the "
+            "empty sequence's KV page (the kv prefetch chain gets out of step); dynamic_validate_inputs accepts it",
+            "experimental/pallas/ops/tpu/ragged_paged_attention/kernel.py 404-409, 591-619, 658-665",
+            "bug class empty_seq_before_another: jax's kernel fails it as --attncheck-impl"),
+    Finding("splash_backward_block_nan", "splash_attention", _SPLASH, "a forward q block without visible keys "
+            "inside a larger backward q block makes dk, dv (or dq) NaN",
+            "experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py 841-851, 1794-1804, 2288-2289",
+            "bug_class:forward_nan_rows_reach_backward"),
+    Finding("splash_kv_longer_than_mask", "splash_attention", _SPLASH, "a kernel built for a mask of K keys, "
+            "called with more keys, attends to the first K only, without an error",
+            "experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py 942-972, 1135-1140",
+            "invalid_call:kv_longer_than_mask"),
+    Finding("splash_q_seq_shards_full_mask", "splash_attention", _SPLASH, "one mask without partial blocks and "
+            "q_seq_shards > 1: make_splash_mha raises \"need at least one array to concatenate\"",
+            "experimental/pallas/ops/tpu/splash_attention/splash_attention_mask_info.py 929-939",
+            "bug_class:q_seq_shards_without_partial_blocks"),
+    Finding("splash_q_seq_shard_without_keys", "splash_attention", _SPLASH, "q_seq_shards > 1 with a q shard "
+            "that sees no key: make_splash_mha stops at a bare assert",
+            "experimental/pallas/ops/tpu/splash_attention/splash_attention_mask_info.py 863-873",
+            "bug_class:q_seq_shard_without_keys"),
+    Finding("paged_inline_false_empty_sequence", "paged_attention", _PAGED, "with inline_seq_dim=False the output "
+            "row of a length-0 sequence is never written (NaN, or the previous sequence's output)",
+            "experimental/pallas/ops/tpu/paged_attention/paged_attention_kernel.py 235-256, 298-301",
+            "bug_class:zero_length_not_inline"),
+    Finding("paged_float_pages_bfloat16", "paged_attention", _PAGED, "float32 K/V pages are computed in bfloat16 "
+            "(undocumented; relative error 2.2e-3 where float32 attention has 5.8e-7)",
+            "experimental/pallas/ops/tpu/paged_attention/paged_attention_kernel.py 90-116, 270-272",
+            "contract:bfloat16_pages (the oracle gets the pages rounded to bfloat16)"),
+    Finding("flash_nonfinite_bias", "flash_attention", _FLASH, "NaN for a row whose visible ab is all -inf, and "
+            "NaN from a non-finite ab entry the mask hides: ab is added before the mask, as in jax's own "
+            "mha_reference", f"experimental/pallas/ops/tpu/flash_attention.py ({_FLASH}.mha_reference)",
+            "bug classes bias_neg_inf, bias_nonfinite_where_masked: this repository's kernel promises otherwise",
+            by_design=True),
+    Finding("flash_absent_segment_rows", "flash_attention", _FLASH, "a causal row whose segment is absent from "
+            "the keys averages the kv blocks it happens to visit (a mask value, not -inf, as in mha_reference)",
+            f"experimental/pallas/ops/tpu/flash_attention.py ({_FLASH}.mha_reference)",
+            "bug class causal_absent_rows_skip_blocks: this repository's kernel promises otherwise", by_design=True),
+)
+
+
+def export(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Write each finding's reproducer and issue draft into ``directory``."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for finding in FINDINGS:
+        for source in (finding.reproducer, finding.issue):
+            if source is not None:
+                written.append(pathlib.Path(shutil.copy2(source, directory / source.name)))
+    return written

@@ -1,0 +1,55 @@
+"""The findings upstream can act on (attncheck/findings): each reproducer is standalone and
+still reproduces on the pinned jax; each is held by the gate as the family declares it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attncheck import findings, specs
+
+FILED = [f for f in findings.FINDINGS if f.reproducer is not None]
+
+
+def test_every_finding_not_by_design_has_a_reproducer_and_an_issue_draft():
+    assert {f.id for f in findings.FINDINGS if not f.by_design} == {f.id for f in FILED}
+    assert all(f.issue is not None for f in FILED)
+
+
+@pytest.mark.parametrize("finding", FILED, ids=lambda f: f.id)
+def test_the_reproducer_needs_only_jax_and_numpy_and_still_reproduces(finding, tmp_path):
+    tree = ast.parse(finding.reproducer.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported - set(sys.stdlib_module_names) <= {"jax", "jaxlib", "numpy"}, imported
+    # A clean environment: no PYTHONPATH, nothing of attncheck's setup, another directory.
+    clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(finding.reproducer)], cwd=tmp_path, env=clean, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0, (f"finding {finding.id} no longer reproduces on {findings.SINCE}: fixed upstream? "
+                                  f"Drop its reproducer and the expectation the family declares for it "
+                                  f"({finding.held_as}).\n{proc.stdout[-2000:]}")
+    assert proc.returncode == 1 and "AssertionError" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("finding", [f for f in findings.FINDINGS if f.held_as.split(":")[0] in
+                                     ("bug_class", "invalid_call", "contract")], ids=lambda f: f.id)
+def test_the_gate_holds_each_finding_as_its_family_declares(finding):
+    spec = specs.all_specs()[finding.family]
+    kind, name = finding.held_as.split(" ")[0].split(":")
+    if kind == "contract":
+        assert name in {c.name for c in spec.contracts}
+    else:
+        assert (kind, name) in {(e.kind, e.name) for e in spec.expectations}
+
+
+def test_export_writes_each_reproducer_and_its_draft(tmp_path):
+    written = findings.export(tmp_path)
+    assert sorted(p.name for p in written) == sorted(
+        name for f in FILED for name in (f"repro_{f.id}.py", f"issue_{f.id}.md"))
+    assert all((tmp_path / p.name).read_bytes() == p.read_bytes() for p in written)
