@@ -115,32 +115,44 @@ class Backend:
 EMULATED_TPU = "TPU v5 lite"
 
 
-def export_for_tpu(fn: Callable, *args, device_kind: str | None = EMULATED_TPU):
-    """``jax.export`` of ``fn`` for platform tpu (arrays or ShapeDtypeStructs as args).
+def tpu_mesh(devices: int = 1, axis: str = "export", device_kind: str = EMULATED_TPU) -> jax.sharding.AbstractMesh:
+    """An abstract mesh of ``devices`` TPUs of the emulated generation along ``axis``: what
+    Mosaic lowering asks the TPU generation of, without a TPU. A sharded kernel's own
+    ``shard_map`` runs over one of these to be exported (its axis is Auto there: the
+    exported arguments carry no sharding of their own)."""
+    axis_type = jax.sharding.AxisType.Explicit if devices == 1 else jax.sharding.AxisType.Auto
+    return jax.sharding.AbstractMesh(
+        (devices,), (axis,), (axis_type,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu"))
 
-    ``device_kind=None`` exports without the abstract mesh: a function that runs its own
-    ``shard_map`` over the CPU devices must not be nested in another mesh.
+
+def export_for_tpu(fn: Callable, *args, device_kind: str | None = EMULATED_TPU,
+                   mesh: jax.sharding.AbstractMesh | None = None):
+    """``jax.export`` of ``fn`` for platform tpu (arrays or ShapeDtypeStructs as args),
+    under ``mesh`` (default: one TPU of ``device_kind``; ``tpu_mesh``).
+
+    ``device_kind=None`` exports without an abstract mesh: a function that runs its own
+    ``shard_map`` over the CPU devices must not be nested in another mesh (a sharded Pallas
+    kernel whose lowering asks the TPU generation runs its shard_map over ``mesh`` instead).
     """
     structs = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     if device_kind is None:
         return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("export",), (jax.sharding.AxisType.Explicit,),
-        abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1,
-                                                    platform="tpu"))
-    with jax.sharding.use_abstract_mesh(mesh), interpret_compat.emulated_tpu(device_kind):
+    with jax.sharding.use_abstract_mesh(mesh or tpu_mesh(device_kind=device_kind)), \
+            interpret_compat.emulated_tpu(device_kind):
         return jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
 
 
-def tpu_exports(forward: Callable, primals, cotangent, *rest, device_kind: str | None = EMULATED_TPU
-                ) -> dict[str, Callable[[], object]]:
+def tpu_exports(forward: Callable, primals, cotangent, *rest, device_kind: str | None = EMULATED_TPU,
+                mesh: jax.sharding.AbstractMesh | None = None) -> dict[str, Callable[[], object]]:
     """The tpu-lower directions of a differentiable kernel: thunks exporting
     ``forward(*primals, *rest)`` ("lower-fwd") and it with the VJP of its primals
     ("lower-grad")."""
     n = len(primals)
-    return {"lower-fwd": lambda: export_for_tpu(forward, *primals, *rest, device_kind=device_kind),
+    options = dict(device_kind=device_kind, mesh=mesh)
+    return {"lower-fwd": lambda: export_for_tpu(forward, *primals, *rest, **options),
             "lower-grad": lambda: export_for_tpu(lambda *a: with_vjp(forward)(a[:n], a[n], *a[n + 1:]),
-                                                 *primals, cotangent, *rest, device_kind=device_kind)}
+                                                 *primals, cotangent, *rest, **options)}
 
 
 def _always() -> str | None:

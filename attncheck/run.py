@@ -113,6 +113,8 @@ class GateRun:
             self._warn(warning)
         if config.getoption("hypothesis_profile", None) is None:
             profiles.load_default()
+        # hypothesis' plugin loads a profile named on the command line after this hook.
+        self.profile = config.getoption("hypothesis_profile", None) or settings.get_current_profile_name()
         self.platform = env.current_platform()
         floor = config.getoption("attncheck_regression_floor")
         self.policy = Policy.of_specs(
@@ -212,7 +214,7 @@ class GateRun:
             (self.report_dir / stale).unlink(missing_ok=True)
         rec.RunInfo(self.run_id, self.started, tuple(self.config.invocation_params.args),
                     None if self.shard is None else str(self.shard), self.policy, self.platform,
-                    settings.get_current_profile_name()).write(self.report_dir)
+                    self.profile).write(self.report_dir)
         config = self.config
         # xdist's default hands each worker a quarter of its share up front, which undoes the
         # longest-first order; one test at a time keeps it.

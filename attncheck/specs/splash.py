@@ -573,11 +573,11 @@ class SplashSpec(KernelSpec[SplashParams]):
         return out
 
     # ------------------------------------------------------------------ running
-    def _forward(self, impl, p: SplashParams, factory=None):
+    def _forward(self, impl, p: SplashParams, factory=None, mesh=None):
         """forward(q, k, v, q_segment_ids, kv_segment_ids) with the implementation's kernel
-        for the case's masks and blocks, under shard_map when the case is sharded. MQA
-        cases build it with ``make_splash_mqa`` of the implementation's module (``factory``:
-        a stand-in for that)."""
+        for the case's masks and blocks, under shard_map when the case is sharded (over
+        ``mesh``, default the case's CPU devices). MQA cases build it with
+        ``make_splash_mqa`` of the implementation's module (``factory``: a stand-in for that)."""
         module = impl_module(impl)
         factory = factory or (impl if p.api == "mha" else module.make_splash_mqa)
         shape = (p.q_len, p.kv_len)
@@ -596,7 +596,7 @@ class SplashSpec(KernelSpec[SplashParams]):
         # Heads or q sequence split over devices, as splash's callers shard it: a device
         # holds its query heads (and their kv heads, unless every head shares one) or its
         # q rows; the kernel's mask info is sharded to match.
-        mesh = Mesh(np.array(jax.devices()[:p.device_count]), ("shards",))
+        mesh = mesh or Mesh(np.array(jax.devices()[:p.device_count]), ("shards",))
         by_heads = p.head_shards > 1
         rows = P("shards", None, None) if by_heads else P(None, "shards", None)
         kv_sharded = by_heads and p.api == "mha" and p.kv_heads % p.head_shards == 0
@@ -630,10 +630,12 @@ class SplashSpec(KernelSpec[SplashParams]):
     def lower(self, impl, case):
         p = case.params
         inputs = self.inputs(case)
-        # A sharded kernel runs its own shard_map over the CPU devices: no abstract TPU mesh.
-        return backends.tpu_exports(self._forward(impl, p), (inputs["q"], inputs["k"], inputs["v"]),
+        # A sharded kernel's shard_map runs over TPUs of the emulated generation, which its
+        # Mosaic lowering asks (over the CPU devices it failed: "Unsupported TPU device kind").
+        mesh = backends.tpu_mesh(p.device_count, "shards") if p.device_count > 1 else None
+        return backends.tpu_exports(self._forward(impl, p, mesh=mesh), (inputs["q"], inputs["k"], inputs["v"]),
                                     inputs["d_out"], inputs.get("q_segment_ids"), inputs.get("kv_segment_ids"),
-                                    **({"device_kind": None} if p.device_count > 1 else {}))
+                                    mesh=mesh)
 
     # ------------------------------------------------------------------ judging
     @staticmethod

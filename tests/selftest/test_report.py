@@ -102,6 +102,10 @@ def test_records_of_a_real_toy_run_match_the_schema(pytester, monkeypatch):
     report = _strict_json(text)
     REPORT_VALIDATOR.validate(report)
     assert {r["outcome"] for r in report["records"]} == {"pass", "fail"}
+    # The numbers' platform and the profile that drew them (named on the command line).
+    assert report["profile"] == "ci" and report["platform"]["isa"] in ("AVX2", "host")
+    assert {r["backend_settings"]["platform"] for r in report["records"]} == {
+        Platform.from_json(report["platform"]).describe()}
     # The per-worker JSON lines are what was merged, and each line is a valid record.
     lines = [_strict_json(line) for f in (gate_dir / "rep" / rec.RECORDS_DIR).glob("*.jsonl")
              for line in f.read_text().splitlines()]

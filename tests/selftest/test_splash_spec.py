@@ -145,3 +145,19 @@ def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_b
 def test_the_declared_crash_is_one_mask_without_partial_blocks_over_q_shards(masks, q_seq_shards, fused, crashes):
     p = params(q_len=256, kv_len=256, masks=masks, q_seq_shards=q_seq_shards, fused_bwd=fused)
     assert splash.q_seq_shards_without_partial_blocks(p) is crashes
+
+
+def test_a_sharded_kernel_lowers_for_tpu():
+    """The shard_map of a sharded case runs over an abstract mesh of emulated TPUs for
+    tpu-lower: over the CPU devices, Mosaic's lowering asked their kind and failed
+    ("Unsupported TPU device kind: cpu"; the case the nightly's random draws found)."""
+    spec = all_specs()[splash.FAMILY]
+    blocks = (("block_q", 128), ("block_kv", 384), ("block_kv_compute", 128), ("block_q_dkv", 128),
+              ("block_kv_dkv", 384), ("block_kv_dkv_compute", 384))
+    case = spec.case(10933, **dataclasses.asdict(params(
+        api="mqa", heads=2, kv_heads=1, q_len=256, kv_len=384, head_dim=128, v_head_dim=64, dtype="bfloat16",
+        masks=(("chunked", 64),) * 2, blocks=blocks, fused_bwd=True, head_shards=2, soft_cap=3.0, values="large",
+        layouts=("HEAD_DIM_MINOR", "SEQ_MINOR", "HEAD_DIM_MINOR"), downcast_smem_data=True, mask_value=-1e30)))
+    target = check.Target(spec, "builtin", resolve_impl(spec.default_impls["builtin"]), BACKENDS["tpu-lower"])
+    records = check.check_case(target, case).records
+    assert [r.outcome for r in records] == ["pass", "pass"], [r.reason for r in records]
