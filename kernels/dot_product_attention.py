@@ -14,10 +14,13 @@ mean: nothing reaches q, k or bias); rows past a query length output 0.
 
 A thin adapter: it pads to the kernel's tiles (T to a multiple of 8, S to one of 128, H
 to 64 or a multiple of 128; zeros, sliced off again), repeats kv heads (autodiff sums
-dk/dv back), and hands the kernel bias / scale as ``ab`` (the kernel computes
-(q.k + ab) * scale). Any visibility other than plain causal over unpadded keys is folded
-into ``ab`` (MASKED_AB where a key is hidden, the kernel run non-causal); rows that see
-no key are then replaced by an explicit mean of v, which is jax.nn's value and gradient.
+dk/dv back), and hands the kernel bias / |scale| as ``ab`` (the kernel computes
+(q.k + ab) * sm_scale) with the sign of the scale on q (exact): a hidden key's MASKED_AB
+must stay the lowest logit whatever the scale's sign, and a scale of 0 leaves the logits
+equal to the bias, as jax.nn's (q is zeroed, sm_scale 1). Any visibility other than plain
+causal over unpadded keys is folded into ``ab`` (MASKED_AB where a key is hidden, the
+kernel run non-causal); rows that see no key are then replaced by an explicit mean of v,
+which is jax.nn's value and gradient.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ import numpy as np
 
 from kernels import flash_attention as fa
 
-# Added to q.k, it rounds to itself in float32 (q.k is far below its ulp), so every hidden
-# logit is the same number and exp(hidden - row max) is exactly 0 wherever a key is visible.
-MASKED_AB = -1e30
+# A hidden key's ab: the kernel's contract lets a -inf ab entry take no part, and a row whose
+# keys are all hidden comes out 0 (replaced below by jax.nn's mean of v). A finite -1e30 did
+# not survive a scale that is no power of two on CPU: XLA fuses the scale's product into the
+# softmax's s - max(s), so a row of equal -1.01e30 logits had s - max(s) of about 1e22
+# (the product's rounding error), and the padded query rows came out inf, their NaN
+# gradients reaching every dk and dv.
+MASKED_AB = -jnp.inf
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -90,15 +97,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     b, t, n, h = query.shape
     s, k = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
+    sign, sm_scale = (math.copysign(1.0, scale), abs(scale)) if scale else (0.0, 1.0)
     t_pad, s_pad, h_pad = _round_up(t, fa.NUM_SUBLANES), _round_up(s, fa.NUM_LANES), _padded_head_dim(h)
 
     def heads_major(x, length, length_pad, repeat=1):  # [B, L, heads, H] -> padded [B, heads, L, H]
         x = jnp.repeat(x.transpose(0, 2, 1, 3), repeat, axis=1)
         return jnp.pad(x, ((0, 0), (0, 0), (0, length_pad - length), (0, h_pad - h)))
 
-    q = heads_major(query, t, t_pad)
+    q = heads_major(query if sign == 1.0 else query * jnp.asarray(sign, query.dtype), t, t_pad)
     kk, vv = (heads_major(x, s, s_pad, n // k) for x in (key, value))
-    ab = None if bias is None else jnp.broadcast_to(bias.astype(jnp.float32) / scale, (b, n, t, s))
+    ab = None if bias is None else jnp.broadcast_to(bias.astype(jnp.float32) / sm_scale, (b, n, t, s))
     folded = mask is not None or window is not None or key_value_seq_lengths is not None or s_pad != s
     if folded:
         i, j = np.arange(t)[:, None], np.arange(s)[None, :]
@@ -113,7 +121,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         ab = jnp.pad(ab, ((0, 0), (0, 0), (0, t_pad - t), (0, s_pad - s)), constant_values=MASKED_AB)
     elif ab is not None:
         ab = jnp.pad(ab, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))
-    out = fa.flash_attention(q, kk, vv, ab, None, causal=bool(is_causal) and not folded, sm_scale=scale)
+    out = fa.flash_attention(q, kk, vv, ab, None, causal=bool(is_causal) and not folded, sm_scale=sm_scale)
     out = out[:, :, :t, :h]
     if folded:
         mean_v = jnp.mean(vv[:, :, :s, :h].astype(jnp.float32), axis=2, keepdims=True)

@@ -82,6 +82,17 @@ class DPAParams(Params):
         return (self.window, self.window) if isinstance(self.window, int) else self.window
 
 
+# jax.nn takes any finite scale: its default, below and above 1, one that is no power of
+# two, and 0 and negative ones (logits = scale * q.k + bias: a kernel that folds its mask
+# into a bias it scales hides nothing there).
+SCALES = (None, 0.5, 1.0, 1.7, 0.0, -0.5)
+
+
+def hides_keys(p) -> bool:
+    """Some query has a key it must not see."""
+    return p.mask != "none" or p.window is not None or p.kv_lengths is not None or p.is_causal
+
+
 @st.composite
 def dpa_cases(draw) -> Case[DPAParams]:
     batch, t, s, n, k, h = draw(st.sampled_from(SHAPES))
@@ -92,7 +103,7 @@ def dpa_cases(draw) -> Case[DPAParams]:
 
     case = Case(FAMILY, DPAParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, q_len=t, kv_len=s, q_heads=n, kv_heads=k,
-        head_dim=h, scale=draw(st.sampled_from((None, 0.5))), bias=draw(st.sampled_from(tuple(BIAS_LAYOUTS))),
+        head_dim=h, scale=draw(st.sampled_from(SCALES)), bias=draw(st.sampled_from(tuple(BIAS_LAYOUTS))),
         mask=mask, mask_empties_rows=mask != "none" and draw(st.booleans()), is_causal=draw(st.booleans()),
         window=draw(st.sampled_from(WINDOWS)), q_lengths=draw(lengths(t)), kv_lengths=draw(lengths(s)),
         values=draw(st.sampled_from(S.VALUE_KINDS if s >= LARGE_VALUES_MIN_KV_LEN else ("normal",)))),
@@ -193,6 +204,11 @@ class DPASpec(KernelSpec[DPAParams]):
         window_right_side=lambda p: p.window is not None and p.window_sides[1] > 0 and not p.is_causal,
         # What changes the logits shows where rows see several keys (every case has one).
         default_scale=lambda p: p.scale is None,
+        scale_above_one=lambda p: p.scale is not None and p.scale > 1,
+        # A hidden key must stay hidden whatever the scale's sign: a mask value scaled by a
+        # negative scale is the largest logit, by 0 a visible one.
+        negative_scale_hides_keys=lambda p: p.scale is not None and p.scale < 0 and hides_keys(p),
+        zero_scale_hides_keys=lambda p: p.scale == 0 and hides_keys(p),
         bf16=lambda p: p.dtype == "bfloat16",
         large_logits=lambda p: p.values == "large",
         decode=lambda p: p.q_len == 1,
