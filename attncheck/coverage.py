@@ -120,8 +120,9 @@ def search_key(spec: KernelSpec) -> str:
     from attncheck import profiles
 
     names = tuple(c.name for c in spec.bug_classes)
+    explicit = sorted((name, case.id) for name, case in spec.explicit_examples.items())
     # The strategies draw from wider shape sets under the nightly profile.
-    digest = hashlib.sha256(f"{hypothesis.__version__}|{spec.name}|{names}|{profiles.wide()}|"
+    digest = hashlib.sha256(f"{hypothesis.__version__}|{spec.name}|{names}|{explicit}|{profiles.wide()}|"
                             f"{_package_source_digest()}".encode())
     digest.update(pathlib.Path(inspect.getfile(type(spec))).read_bytes())
     return digest.hexdigest()[:20]
@@ -199,9 +200,19 @@ def search(spec: KernelSpec) -> list[Case]:
                 continue
         return None
 
+    unknown = sorted(set(spec.explicit_examples) - set(spec.class_names))
+    if unknown:
+        raise ValueError(f"{spec.name}: explicit_examples name no bug class of the family: {unknown}")
     found: dict[str, Case] = {}
     for cls in spec.bug_classes:
         if any(exercises(cls, c.params) for c in found.values()):
+            continue
+        explicit = spec.explicit_examples.get(cls.name)
+        if explicit is not None:
+            if not cls.applies(explicit.params):
+                raise ValueError(f"{spec.name}: explicit_examples[{cls.name!r}] does not exercise its class "
+                                 f"(case {explicit.id})")
+            found[cls.name] = explicit
             continue
         case = first(cls)
         if case is None:

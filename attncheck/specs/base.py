@@ -67,7 +67,9 @@ class KernelSpec(abc.ABC, Generic[P]):
       elements (``Contract.elements``) can be declared not promised by an implementation;
     - ``expectations``: :class:`~attncheck.expectations.Shipped` entries, the family's own
       findings: deviations of its default implementations (bug classes, invalid calls,
-      contracts), each with its reason. They run like any user's declared deviation.
+      contracts), each with its reason. They run like any user's declared deviation;
+    - ``explicit_examples``: class name -> its coverage example written out, for a class
+      the search's budget rarely draws (it would be a coverage hole).
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -83,6 +85,7 @@ class KernelSpec(abc.ABC, Generic[P]):
     keyword_targets: ClassVar[tuple[str, ...]] = ()
     contracts: ClassVar[tuple[Contract, ...]] = ()
     expectations: ClassVar[tuple[Shipped, ...]] = ()
+    explicit_examples: ClassVar[Mapping[str, Case]] = types.MappingProxyType({})
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS

@@ -209,6 +209,10 @@ class DPASpec(KernelSpec[DPAParams]):
         # negative scale is the largest logit, by 0 a visible one.
         negative_scale_hides_keys=lambda p: p.scale is not None and p.scale < 0 and hides_keys(p),
         zero_scale_hides_keys=lambda p: p.scale == 0 and hides_keys(p),
+        # Key lengths alone hide keys where the keys fill the kernel's blocks exactly (no
+        # padding, no mask): a kernel that only masks its padding forgets them.
+        kv_lengths_alone=lambda p: (p.kv_lengths is not None and min(p.kv_lengths) < p.kv_len and p.kv_len % 128 == 0
+                                    and p.mask == "none" and p.window is None),
         bf16=lambda p: p.dtype == "bfloat16",
         large_logits=lambda p: p.values == "large",
         decode=lambda p: p.q_len == 1,

@@ -182,6 +182,10 @@ class PagedSpec(KernelSpec[PagedParams]):
         megacore_batch_inline=lambda p: _megacore_batch_steps(p) and p.inline_seq_dim,
         megacore_batch_grid=lambda p: _megacore_batch_steps(p) and not p.inline_seq_dim,
         seq_dim_not_inline=lambda p: not p.inline_seq_dim,
+        # A length that ends inside a compute block after the first, several pages per block:
+        # the mask and the page walk meet inside a later block.
+        length_ends_in_later_compute_block=lambda p: p.pages_per_compute_block > 1 and any(
+            n > p.block_tokens and n % p.block_tokens for n in p.lengths),
         # The mask value only matters where a read block holds slots past a length.
         explicit_mask_value=_with_several_keys(lambda p: p.mask_value is not None
                                                and any(p.read_tokens(n) > n for n in p.lengths)),

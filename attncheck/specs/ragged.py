@@ -52,8 +52,9 @@ LAYOUTS = {"standard": Layout(max_tokens=64, max_seqs=4, pages_per_seq=8, total_
 LAYOUT_NAMES = S.Shapes(ci=("standard", "compact"), nightly=tuple(LAYOUTS))
 HEAD_DIM = LAYOUTS["standard"].head_dim  # of the invalid calls
 PAGE_SIZES = S.Shapes(ci=(8, 16), nightly=(8, 16, 32))
-# (num_q_heads, num_kv_heads): GQA ratios 1, 2, 4, 8.
-HEAD_LAYOUTS = ((2, 2), (4, 2), (4, 1), (8, 1))
+# (num_q_heads, num_kv_heads): GQA ratios 1, 2, 4, 8; 8 kv heads of float32 are more than
+# this family's kernel holds in one head block (its smallest tile-aligned block: 4).
+HEAD_LAYOUTS = ((2, 2), (4, 2), (4, 1), (8, 1), (16, 8))
 # (query dtype, kv dtype): packed kv dtypes only with scales (they are quantized caches).
 DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
                ("bfloat16", "int8"), ("bfloat16", "float8_e4m3fn"))
@@ -135,7 +136,8 @@ def ragged_cases(draw) -> Case:
         seqs.append((q_len, kv_len))
     q_dtype, kv_dtype = draw(st.sampled_from(DTYPE_PAIRS))
     packed = kv_dtype not in S.DTYPES
-    scales = draw(st.just((0.5, 2.0)) if packed else st.sampled_from(((None, None), (0.5, 2.0))))
+    # Powers of two, and a pair that no 8-bit float holds exactly (a quantization scale).
+    scales = draw(st.sampled_from(((0.5, 2.0), (0.3, 1.7)) if packed else ((None, None), (0.5, 2.0), (0.3, 1.7))))
     window = draw(st.one_of(st.none(), st.sampled_from((1, 5, page_size * 2 + 3, capacity + 7))))
     # The kernel tiles the combined-heads axis in 32-bit words: with 4 values per word
     # (int8, fp8) 2 * num_kv_heads must be a multiple of 4 (a documented rejection).
@@ -264,6 +266,9 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         window_clips_keys=lambda p: p.sliding_window is not None and any(k > p.sliding_window for q, k in p.seqs if q),
         soft_cap=_with_several_keys(lambda p: p.soft_cap is not None),
         kv_scales=_with_several_keys(lambda p: p.k_scale is not None),
+        several_kv_head_blocks=lambda p: p.num_kv_heads >= 8 and p.kv_dtype == "float32" == p.dtype,
+        kv_scales_not_powers_of_two=_with_several_keys(lambda p: p.k_scale is not None
+                                                       and math.frexp(p.k_scale)[0] != 0.5),
         bf16=_with_several_keys(lambda p: p.dtype == "bfloat16"),
         packed_kv=_with_several_keys(lambda p: p.kv_dtype not in S.DTYPES),
         q_len_ne_kv_len=lambda p: any(0 < q != k for q, k in p.seqs),

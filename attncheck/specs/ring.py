@@ -465,7 +465,12 @@ class RingFlashSpec(RingSpec):
         # Inner kv blocks, forward and dq: a kv major block walked in several minor ones, and
         # a major block wider than a lane tile computed in one.
         several_kv_minor_blocks=lambda p: _minor_kv_blocks(p) == ("several", "several"),
-        one_wide_kv_minor_block=lambda p: _minor_kv_blocks(p) == ("one wide", "one wide"))
+        one_wide_kv_minor_block=lambda p: _minor_kv_blocks(p) == ("one wide", "one wide"),
+        # Causal over several devices with kv major blocks narrower than a device's chunk:
+        # the block skipping adds a block offset to the ring step's chunk offset.
+        causal_ring_kv_blocks_in_chunk=lambda p: (p.causal and p.device_count > 1 and bool(p.flash_blocks)
+                                                  and dict(p.flash_blocks)["block_k_major"] < p.per_device),
+        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.seq_len >= 512 and p.values == "offset")
 
     def call(self, impl, p: FlashRingParams):
         blocks = {"block_sizes": _block_sizes_type(impl)(**dict(p.flash_blocks))} if p.flash_blocks else {}

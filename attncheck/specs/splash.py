@@ -521,6 +521,8 @@ class SplashSpec(KernelSpec[SplashParams]):
         bf16=lambda p: p.dtype == "bfloat16",
         large_logits=lambda p: p.values == "large",
         exact_ties=lambda p: p.values == "ties",
+        # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
+        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 256 and p.values == "offset",
         # jax's kernel's findings (declared below): their cases run like any other.
         forward_nan_rows_reach_backward=coverage.Touching(forward_nan_rows_reach_backward, _nan_backward),
         q_seq_shards_without_partial_blocks=q_seq_shards_without_partial_blocks,

@@ -17,10 +17,14 @@ from attncheck import profiles
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 # Value distributions. Uniform [0, 1) is deliberately absent: all-positive inputs hide sign
 # bugs (a dropped minus, a max that starts at 0 instead of -inf).
-VALUE_KINDS = ("normal", "large", "ties")
+VALUE_KINDS = ("normal", "large", "ties", "offset")
 # "large": logits of magnitude ~ LARGE_LOGIT_STD * scale * sqrt(d) ~ tens, where a float32
 # softmax that does not subtract the running max overflows, and one that does stays exact.
 LARGE_LOGIT_STD = 4.0
+# "offset": v with this mean (std 1): an output that is not near 0, so that the rounding of
+# a long P @ V accumulation (which grows with the number of keys) is not hidden by the
+# cancellation of zero-mean values.
+V_OFFSET = 4.0
 # Seeds are 32-bit: enough variety, and short in reproducer commands.
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
@@ -52,6 +56,8 @@ def attention_values(rng: np.random.Generator, kind: str, shape: tuple[int, ...]
     x = rng.standard_normal(shape)
     if kind == "large" and role in ("q", "k"):
         return x * LARGE_LOGIT_STD
+    if kind == "offset" and role == "v":
+        return x + V_OFFSET
     if kind == "ties" and role == "k":
         # Keys equal in pairs (2j, 2j+1): exact logit ties everywhere, across block edges too
         # when a pair straddles one. Not all keys equal: that makes dq exactly zero by

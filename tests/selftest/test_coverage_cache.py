@@ -1,6 +1,7 @@
 """The on-disk cache of coverage examples: the same examples as the search, reused, and
 searched again whenever it cannot be trusted."""
 
+import dataclasses
 import json
 
 import pytest
@@ -71,6 +72,31 @@ def test_a_class_no_case_can_exercise_is_a_named_hole_not_a_crash(toy, tmp_path,
     assert {n for c in found for n in toy.classes(c)} == set(toy.class_names) - {"never_drawn"}
     assert json.loads(cached_files(tmp_path)[0].read_text())["without_example"] == ["never_drawn"]
     assert ids(fresh_examples(toy)) == ids(found)  # the hole is remembered, not searched for again
+
+
+def test_a_class_the_draws_miss_takes_its_explicit_example(toy, monkeypatch):
+    """A class the strategy rarely draws is not a hole when the spec writes its example
+    out; an example that does not exercise its class, or names no class, is a spec error."""
+    rare = coverage.BugClass("rare", lambda p: p.seq_len == 1000)
+    example = toy_spec.Case(toy_spec.FAMILY, dataclasses.replace(
+        coverage.search(toy)[0].params, seq_len=1000), 7)
+    monkeypatch.setattr(type(toy), "bug_classes", (*toy.bug_classes, rare))
+    monkeypatch.setattr(type(toy), "explicit_examples", {"rare": example})
+    found = fresh_examples(toy)
+    assert example in found and {n for c in found for n in toy.classes(c)} == set(toy.class_names)
+    monkeypatch.setattr(type(toy), "explicit_examples", {"rare": dataclasses.replace(
+        example, params=dataclasses.replace(example.params, seq_len=8))})
+    with pytest.raises(ValueError, match=r"explicit_examples\['rare'\] does not exercise its class"):
+        coverage.search(toy)
+    monkeypatch.setattr(type(toy), "explicit_examples", {"rarely": example})
+    with pytest.raises(ValueError, match=r"name no bug class of the family: \['rarely'\]"):
+        coverage.search(toy)
+
+
+def test_every_built_in_explicit_example_exercises_its_class():
+    for spec in specs.all_specs().values():
+        for name, case in spec.explicit_examples.items():
+            assert case.family == spec.name and name in spec.classes(case), (spec.name, name)
 
 
 def test_the_key_changes_with_what_the_search_reads(toy, monkeypatch):

@@ -91,6 +91,16 @@ def test_a_nested_tiling_needs_the_diagonal_past_the_first_minor_block_of_a_late
     assert every_pass(flash_case(512, 512, block_k_major=256, block_q_major_dkv=256, block_k_major_dkv=256, **blocks))
 
 
+def test_a_backward_pass_with_wider_blocks_than_the_forward_needs_causal_over_several_kv_blocks():
+    wider = next(c.applies for c in flash.SPEC.bug_classes if c.name == "causal_bwd_blocks_wider")
+    assert wider(flash_case(256, 256, block_q_major_dkv=256))
+    assert wider(flash_case(256, 512, block_k_major_dq=256))
+    assert not wider(flash_case(256, 256))  # every pass tiles like the forward
+    assert not wider(flash_case(256, 256, causal=False, block_q_major_dkv=256))
+    # One forward kv block: the forward skips nothing a wider backward block could disagree on.
+    assert not wider(flash_case(256, 256, block_k_major=256, block_q_major_dkv=256))
+
+
 def test_segments_vary_across_tiles_in_every_pass():
     assert flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1)))
     assert not flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0,)))
