@@ -13,6 +13,7 @@ import pathlib
 from typing import TYPE_CHECKING
 
 from attncheck.env import Platform
+from attncheck.report.policy import REGRESSION_FLOOR
 
 if TYPE_CHECKING:
     from attncheck.report.model import SummaryRow
@@ -23,10 +24,6 @@ SCHEMA_VERSION = 2
 # A budget may grow this much past the accepted one before the gate calls it a numerics
 # regression: budgets of passing cases wobble with the drawn inputs.
 REGRESSION_FACTOR = 1.5
-# Budgets below this are within the run-to-run spread of worst cases (measured: the same
-# code gave flash bf16 dk 0.139 under ./dev gate and 0.242 under ./dev test, whose drawn
-# flash cases differ in 17 of 37); growth is judged from this level up.
-REGRESSION_FLOOR = 1 / 3
 _KEYS = ("kernel", "impl", "backend", "dtype", "direction")
 
 

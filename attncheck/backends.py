@@ -177,15 +177,3 @@ BACKENDS: dict[str, Backend] = {
         Backend("xla", True, _always),
     )
 }
-
-
-def parse_backend_option(value: str | None) -> list[str]:
-    """The names the user asked for (``None`` or "" means every backend)."""
-    if not value:
-        return list(BACKENDS)
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        raise ValueError(f"--attncheck-backend: unknown backend(s) {unknown}; "
-                         f"known: {', '.join(BACKENDS)}")
-    return names

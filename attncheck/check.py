@@ -23,7 +23,7 @@ from attncheck.cases import Case
 from attncheck.compiled import impl_origin
 from attncheck.expectations import BUG_CLASS, CONTRACT, Expectation
 from attncheck.report import errormap
-from attncheck.report.records import CaseRun, Record
+from attncheck.report.records import CaseRun, Record, target_id
 from attncheck.specs.base import KernelSpec
 
 # A yardstick this far from the oracle means the spec's mapping or the yardstick is wrong,
@@ -49,7 +49,7 @@ class Target:
 
     @property
     def id(self) -> str:
-        return f"{self.spec.name}-{self.impl_name}-{self.backend.name}"
+        return target_id(self.spec.name, self.impl_name, self.backend.name)
 
     @property
     def impl_ref(self) -> str:

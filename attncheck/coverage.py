@@ -1,13 +1,8 @@
-"""Coverage of bug classes: the classes, their guaranteed examples, and the coverage table.
-
-A bug class names the condition under which a kind of kernel bug becomes observable (a
-softmax over several keys, segment ids that differ between tiles, a running max that
-rises in a later block), declared once per family as a named predicate over the case's
-parameters. For each class of a family the gate runs the simplest case that exercises
-it (its *coverage examples*), found by a derandomized hypothesis search over the
+"""The coverage examples: for each bug class of a family (``attncheck.bugclasses``) the
+simplest case that exercises it, found by a derandomized hypothesis search over the
 family's case strategy alone (no kernel runs), kept on disk, and split into tests of a
 few examples each; ``--attncheck-require-coverage`` fails a run in which an applicable
-class has no case.
+class has no case (``attncheck.report.coverage_table``).
 
 The search result could be replayed from hypothesis' example database instead, but that
 stores choice sequences per test function that must be replayed (and re-shrunk) in every
@@ -26,64 +21,14 @@ import json
 import os
 import pathlib
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from attncheck import cache_root
+from attncheck.bugclasses import BugClass
 from attncheck.cases import Case, Params
 
 if TYPE_CHECKING:
-    from attncheck.report.records import Record
     from attncheck.specs.base import KernelSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class BugClass:
-    """A kind of bug and the case condition that makes it observable; ``affects``, where
-    the family can say, the elements its bug shows in: (case, inputs) -> direction -> mask.
-    An implementation that declares the class a deviation (``attncheck.expectations``) is
-    judged on the other elements of its cases; without ``affects``, on none of them."""
-
-    name: str
-    applies: Callable[[Params], bool]
-    affects: Callable | None = dataclasses.field(default=None, compare=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Touching:
-    """A bug class's condition and the elements its bug shows in (``bug_classes``)."""
-
-    applies: Callable[[Params], bool]
-    affects: Callable
-
-
-def bug_classes(**predicates: Callable[[Params], bool] | Touching) -> tuple[BugClass, ...]:
-    """``bug_classes(causal=lambda p: p.causal, nan_rows=Touching(lambda p: ..., rows), ...)``:
-    classes in declaration order."""
-    return tuple(BugClass(name, p.applies, p.affects) if isinstance(p, Touching) else BugClass(name, p)
-                 for name, p in predicates.items())
-
-
-def exercised(classes: Iterable[BugClass], params: Params) -> list[str]:
-    """Names of the classes a case's parameters exercise, sorted."""
-    return sorted(c.name for c in classes if c.applies(params))
-
-
-def expected_max_rises(rows: Iterable[tuple[int, int]], block_tokens: int) -> float:
-    """How many (query row, kv block after its first) steps of an online softmax raise the
-    running max, on average over exchangeable logits, for rows that see the keys
-    [first, end) in blocks of ``block_tokens``: a block adding n keys to m seen before
-    raises it with probability n / (n + m). Few expected rises and a fixed seed may well
-    draw none, and a rescaling bug then shows nowhere."""
-    rises = 0.0
-    for first, end in rows:
-        seen = 0
-        for block_start in range(first - first % block_tokens, end, block_tokens):
-            new = min(end, block_start + block_tokens) - max(first, block_start)
-            if seen:
-                rises += new / (seen + new)
-            seen += new
-    return rises
 
 
 # ------------------------------------------------------------------ the examples
@@ -256,40 +201,3 @@ class Share:
 def shares(example_count: int) -> list[Share]:
     count = max(1, -(-example_count // EXAMPLES_PER_TEST))
     return [Share(index, count) for index in range(count)]
-
-
-# ------------------------------------------------------------------ the table
-@dataclasses.dataclass
-class ClassCount:
-    cases: int = 0
-    failures: int = 0
-
-
-def table(records: list[Record], applicable: Mapping[str, tuple[str, ...]]) -> dict[str, dict[str, ClassCount]]:
-    """kernel -> class -> cases that exercised it (one per case and backend) and how many
-    of those failed. Kernels with no record are left out; applicable classes with no case
-    are listed with 0."""
-    result: dict[str, dict[str, ClassCount]] = {}
-    for kernel, classes in applicable.items():
-        if any(r.kernel == kernel for r in records):
-            result[kernel] = {c: ClassCount() for c in classes}
-    passed: dict[tuple, bool] = {}
-    classes_of: dict[tuple, list[str]] = {}
-    for r in records:
-        key = (r.kernel, r.case_id, r.backend)
-        passed[key] = passed.get(key, True) and not r.failing
-        classes_of.setdefault(key, r.classes)
-    for key, names in classes_of.items():
-        for name in names:
-            count = result.setdefault(key[0], {}).setdefault(name, ClassCount())
-            count.cases += 1
-            count.failures += not passed[key]
-    return result
-
-
-def missing(counts: Mapping[str, Mapping[str, ClassCount]],
-            applicable: Mapping[str, tuple[str, ...]]) -> dict[str, list[str]]:
-    """kernel -> applicable classes no case exercised."""
-    holes = {kernel: [c for c, n in classes.items() if n.cases == 0 and c in applicable.get(kernel, ())]
-             for kernel, classes in counts.items()}
-    return {kernel: names for kernel, names in holes.items() if names}

@@ -6,7 +6,7 @@ An entry names a family, an implementation ("module:function", as ``--attncheck-
 names it) and one thing the implementation does not promise:
 
 - ``bug_class``: the cases of one of the family's bug classes may deviate. Where the class
-  says which elements its deviation touches (``coverage.BugClass.affects``), the rest of
+  says which elements its deviation touches (``bugclasses.BugClass.affects``), the rest of
   each case is judged as usual; else a failing comparison of such a case is an expected
   deviation.
 - ``invalid_call``: one of the family's invalid calls may be accepted, or rejected without

@@ -28,7 +28,7 @@ from attncheck import accepted, compile_cache, env, expectations, profiles, sche
 from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
 from attncheck.report import errormap, merge, model, render
 from attncheck.report import records as rec
-from attncheck.report.policy import Policy
+from attncheck.report.policy import REGRESSION_FLOOR, Policy
 
 LOCK_FILE = ".attncheck.lock"
 # The per-test timeout of an attncheck run whose project set none (a kernel that hangs).
@@ -121,7 +121,7 @@ class GateRun:
             specs.all_specs().values(), expectations=self.expectations,
             require_coverage=config.getoption("attncheck_require_coverage"),
             accepted_budgets=self.accepted_path,
-            regression_floor=accepted.REGRESSION_FLOOR if floor is None else floor)
+            regression_floor=REGRESSION_FLOOR if floor is None else floor)
         if config.getoption("timeout", None) is None and not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
             config.option.timeout_method = "signal"

@@ -15,6 +15,7 @@ from attncheck import coverage, specs
 from attncheck.backends import BACKENDS
 from attncheck.check import Target
 from attncheck.expectations import INVALID_CALL, Expectation, for_target
+from attncheck.report.records import target_id
 from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 COVERAGE = "coverage"
@@ -99,7 +100,7 @@ class GateTest:
 
     @property
     def target_id(self) -> str:
-        return f"{self.spec.name}-{self.impl_name}-{self.backend_name}"
+        return target_id(self.spec.name, self.impl_name, self.backend_name)
 
     @property
     def id(self) -> str:

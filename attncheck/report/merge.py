@@ -10,7 +10,8 @@ import json
 import pathlib
 from collections.abc import Mapping
 
-from attncheck import accepted, coverage, parameters
+from attncheck import accepted, parameters
+from attncheck.report import coverage_table
 from attncheck.mutation import runner
 from attncheck.report import records as rec
 from attncheck.env import Platform
@@ -89,9 +90,9 @@ def _judge_whole_run(records: list[rec.Record], invalid_calls: list[InvalidCallO
     deviation stood)."""
     holes = []
     if policy.require_coverage:
-        counts = coverage.table(records, policy.applicable)
+        counts = coverage_table.table(records, policy.applicable)
         holes = [f"coverage: {kernel} never exercised {', '.join(names)}"
-                 for kernel, names in coverage.missing(counts, policy.applicable).items()]
+                 for kernel, names in coverage_table.missing(counts, policy.applicable).items()]
         holes += [f"parameter coverage: {kernel} never varied {', '.join(names)}"
                   for kernel, names in parameters.unvaried(parameter_table(records), policy.fixed_parameters).items()]
         holes += [f"parameter coverage: {kernel}: the call of {n} case(s) could not be probed "

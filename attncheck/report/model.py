@@ -17,11 +17,12 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 
-from attncheck import coverage, interpret_compat, parameters
+from attncheck import interpret_compat, parameters
 from attncheck.env import Platform
 from attncheck.expectations import INVALID_CALL, NOT_EXERCISED, OCCURS, STALE, Expectation
+from attncheck.report import coverage_table
 from attncheck.report.policy import Declared, Policy
-from attncheck.report.records import SCHEMA_VERSION, Record
+from attncheck.report.records import SCHEMA_VERSION, Record, target_id
 
 PASS, FAIL, NO_CASES, INCOMPLETE = "PASS", "FAIL", "NO CASES", "INCOMPLETE"
 
@@ -167,7 +168,7 @@ class Report:
     wall_s: float | None  # None: not known (a run merged after it died without a start time)
     totals: Totals
     summary: list[SummaryRow]
-    coverage: Mapping[str, Mapping[str, coverage.ClassCount]]
+    coverage: Mapping[str, Mapping[str, coverage_table.ClassCount]]
     device_growth: list[DeviceGrowth]
     skipped_backends: list[SkippedBackend]
     problems: list[str]  # why the verdict is FAIL besides failing records
@@ -285,7 +286,7 @@ def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[
     if not asked:
         return ["no gate test was selected: nothing was verified (check -k, --attncheck-kernel and "
                 "--attncheck-backend, and that the run was not --collect-only)"]
-    verified = {f"{r.kernel}-{r.impl}-{r.backend}" for r in records}
+    verified = {target_id(r.kernel, r.impl, r.backend) for r in records}
     return [f"{target}: no case verified ({why})" for target, why in sorted(asked.items()) if target not in verified]
 
 
@@ -320,7 +321,7 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
           profile: str | None = None, deviations: list[DeviationStatus] | None = None,
           invalid_calls: list[InvalidCallOutcome] | None = None) -> Report:
     """The report of a run from its records, judged by its policy."""
-    counts = coverage.table(records, policy.applicable)
+    counts = coverage_table.table(records, policy.applicable)
     problems = list(problems) + list(regressions or ())
     failures = sum(r.failing for r in records)
     return Report(

@@ -10,9 +10,12 @@ import dataclasses
 import types
 from collections.abc import Iterable, Mapping
 
-from attncheck.accepted import REGRESSION_FLOOR
 from attncheck.expectations import Expectation
 
+# Budgets below this are within the run-to-run spread of worst cases (measured: the same
+# code gave flash bf16 dk 0.139 under ./dev gate and 0.242 under ./dev test, whose drawn
+# flash cases differ in 17 of 37); growth is judged from this level up.
+REGRESSION_FLOOR = 1 / 3
 
 @dataclasses.dataclass(frozen=True)
 class Declared:

@@ -55,6 +55,12 @@ COLLECTION_SUFFIX = ".collection.json"
 OUTCOMES = ("pass", "fail", "error")
 
 
+def target_id(family: str, impl: str, backend: str) -> str:
+    """The id of one implementation of a family on one backend, as gate tests, records and
+    reports name it."""
+    return f"{family}-{impl}-{backend}"
+
+
 @dataclasses.dataclass(frozen=True)
 class CaseRun:
     """What identifies one case of one implementation on one backend, and how to rerun it:

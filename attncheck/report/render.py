@@ -17,13 +17,14 @@ from attncheck import parameters
 from attncheck.report import history, plots
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.model import PASS, Report, SummaryRow
+from attncheck.report.policy import REGRESSION_FLOOR
 from attncheck.report.records import Record
 
 REPORT_FILES = ("report.json", "report.md", "report.html")
 
 
 def write(directory: pathlib.Path, report: Report, *, accepted: acc.AcceptedBudgets | None = None,
-          regression_floor: float = acc.REGRESSION_FLOOR) -> None:
+          regression_floor: float = REGRESSION_FLOOR) -> None:
     """Write every report file (each whole, then renamed: a reader never sees half a file),
     record a complete run in the directory's budget history, and append the Markdown to
     $GITHUB_STEP_SUMMARY when set and the run is final. ``accepted``: the accepted budgets
@@ -366,7 +367,7 @@ def _trend(report: Report, accepted: acc.AcceptedBudgets | None, floor: float,
 
 
 def render_html(report: Report, accepted: acc.AcceptedBudgets | None = None,
-                floor: float = acc.REGRESSION_FLOOR, earlier: list[history.Entry] = ()) -> str:
+                floor: float = REGRESSION_FLOOR, earlier: list[history.Entry] = ()) -> str:
     """report.html: one self-contained file (inline SVG and CSS, a few lines of script for
     the copy buttons; nothing loaded from the network or the disk). ``earlier``: the budget
     history of earlier runs, for the trend."""

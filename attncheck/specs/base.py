@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import coverage, parameters
+from attncheck import bugclasses, parameters
 from attncheck.cases import Case, Params, check_params_type
-from attncheck.coverage import BugClass
+from attncheck.bugclasses import BugClass
 from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, KINDS, Contract, Expectation, Shipped
 from attncheck.report.errormap import ErrorMapLayout
 
@@ -53,8 +53,8 @@ class KernelSpec(abc.ABC, Generic[P]):
     - ``impl_backends``: optionally, a default implementation's own backends where they
       differ (a pure-JAX and a Pallas implementation of one convention); a user's
       implementation (``--attncheck-impl``) gets every backend of the family;
-    - ``bug_classes``: :class:`~attncheck.coverage.BugClass` predicates, each exercised in
-      every gate run (``coverage.bug_classes(name=predicate, ...)``);
+    - ``bug_classes``: :class:`~attncheck.bugclasses.BugClass` predicates, each exercised in
+      every gate run (``bugclasses.bug_classes(name=predicate, ...)``);
     - ``examples``: drawn cases per backend in the CI profile (profiles scale them); a
       backend missing here draws ``DEFAULT_EXAMPLES``;
     - ``fixed_parameters``: parameter name (a ``*`` stands for anything) -> why the gate keeps it at
@@ -145,7 +145,7 @@ class KernelSpec(abc.ABC, Generic[P]):
 
     def classes(self, case: Case[P]) -> list[str]:
         """Bug classes this case exercises, from its parameters."""
-        return coverage.exercised(self.bug_classes, case.params)
+        return bugclasses.exercised(self.bug_classes, case.params)
 
     # ------------------------------------------------------------------ running
     @abc.abstractmethod

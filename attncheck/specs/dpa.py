@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -183,7 +183,7 @@ class DPASpec(KernelSpec[DPAParams]):
                      "flash": "kernels.dot_product_attention:dot_product_attention"}
     backends = ("xla", "interpret", "interpret-hazards", "tpu-lower", "tpu")
     impl_backends = {"jax_nn": ("xla",), "flash": ("interpret", "interpret-hazards", "tpu-lower", "tpu")}
-    bug_classes = coverage.bug_classes(
+    bug_classes = bugclasses.bug_classes(
         # Plain causal on the usual tiles (no padding, nothing else hides keys): where a tiled
         # kernel runs its own causal masking and block skipping.
         causal_on_tiles=lambda p: (p.is_causal and not _off_tiles(p) and p.mask == "none" and p.window is None

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import coverage, oracle
+from attncheck import bugclasses, oracle
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
@@ -94,7 +94,7 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
     params_type = FFNParams
     default_impls = {"builtin": "kernels.blockwise_ffn:blockwise_ffn"}
     backends = ("xla",)
-    bug_classes = coverage.bug_classes(
+    bug_classes = bugclasses.bug_classes(
         single_chunk=lambda p: p.chunk_size == p.seq_len,
         multi_chunk=lambda p: p.chunk_size != p.seq_len,
         bf16=lambda p: p.dtype == "bfloat16",

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
@@ -204,7 +204,7 @@ class FlashSpec(KernelSpec[FlashParams]):
     params_type = FlashParams
     default_impls = {"builtin": "kernels.flash_attention:flash_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    bug_classes = coverage.bug_classes(
+    bug_classes = bugclasses.bug_classes(
         q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,
         causal=lambda p: p.causal,
         fully_masked_row=lambda p: p.segments == "absent",

@@ -35,7 +35,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key
@@ -151,7 +151,7 @@ class PagedSpec(KernelSpec[PagedParams]):
     params_type = PagedParams
     default_impls = {"jax": "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel:paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    bug_classes = coverage.bug_classes(
+    bug_classes = bugclasses.bug_classes(
         # Slots past the length inside a page it reads: masked by position, not by page.
         length_not_page_multiple=lambda p: any(n % p.page_size for n in p.lengths),
         # A whole page of garbage inside the last compute block a sequence reads.
@@ -160,13 +160,13 @@ class PagedSpec(KernelSpec[PagedParams]):
         unread_pages_in_table=lambda p: any(p.read_tokens(n) < p.capacity for n in p.lengths),
         full_page_table=lambda p: p.capacity in p.lengths,
         zero_length_checked=lambda p: p.inline_seq_dim and 0 in p.lengths,
-        zero_length_not_inline=coverage.Touching(lambda p: not p.inline_seq_dim and 0 in p.lengths,
+        zero_length_not_inline=bugclasses.Touching(lambda p: not p.inline_seq_dim and 0 in p.lengths,
                                                  lambda case, inputs: {"out": (np.asarray(case.params.lengths) == 0)
                                                                        [:, None, None]}),
         zero_lengths_between_others=zero_lengths_between_others,
         # The online softmax rescales across compute blocks only where a later block raises
         # the running max (one row per query head).
-        softmax_spans_blocks=lambda p: coverage.expected_max_rises(
+        softmax_spans_blocks=lambda p: bugclasses.expected_max_rises(
             [(0, n) for n in p.lengths], p.block_tokens) * p.q_heads >= 3,
         groups_below_8=lambda p: 1 < p.groups < 8,
         groups_multiple_of_8=lambda p: p.groups % 8 == 0,

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
@@ -183,7 +183,7 @@ def expected_max_rises(p: RaggedParams, block_tokens: int) -> float:
     window = p.sliding_window or math.inf
     rows = [(int(max(0, pos + 1 - window)), pos + 1) for q_len, kv_len in p.seqs
             for pos in range(kv_len - q_len, kv_len)]
-    return coverage.expected_max_rises(rows, block_tokens) * p.num_q_heads
+    return bugclasses.expected_max_rises(rows, block_tokens) * p.num_q_heads
 
 
 def _poison(dtype) -> float:
@@ -247,7 +247,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
     params_type = RaggedParams
     default_impls = {"builtin": "kernels.ragged_paged_attention:ragged_paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    bug_classes = coverage.bug_classes(
+    bug_classes = bugclasses.bug_classes(
         decode=_has_seq("decode"),
         chunked_prefill=_has_seq("chunked_prefill"),
         full_prefill=_has_seq("full_prefill"),

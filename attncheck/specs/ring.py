@@ -26,7 +26,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from attncheck import backends, coverage, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -156,7 +156,7 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
 
 
 # Classes of every ring variant, in search order.
-RING_CLASSES = coverage.bug_classes(
+RING_CLASSES = bugclasses.bug_classes(
     multi_device=lambda p: p.devices > 1,
     single_device=lambda p: p.devices == 1,
     ring_of_8=lambda p: p.devices == 8,
@@ -381,7 +381,7 @@ class BlockwiseRingSpec(RingSpec):
     backends = ("xla",)
     params_type = ChunkedRingParams
     examples = {"xla": 60}
-    bug_classes = RING_CLASSES + coverage.bug_classes(
+    bug_classes = RING_CLASSES + bugclasses.bug_classes(
         dropout=lambda p: p.dropout_rate > 0,
         # A query whose segment starts past its device's first key chunk sees nothing of
         # that chunk, the first one computed for it: its running max is still -inf there,
@@ -419,7 +419,7 @@ class StandardRingSpec(RingSpec):
     fixed_parameters = {**RingSpec.fixed_parameters,
                         "attn_mask.dtype": "the convention's mask is boolean (an invalid call pins the rejection)"}
     # The bias is not part of this convention; a random mask with empty rows is.
-    bug_classes = tuple(c for c in RING_CLASSES if not c.name.startswith("bias")) + coverage.bug_classes(
+    bug_classes = tuple(c for c in RING_CLASSES if not c.name.startswith("bias")) + bugclasses.bug_classes(
         mask_with_empty_rows=lambda p: p.random_mask)
 
     def cases(self):
@@ -460,7 +460,7 @@ class RingFlashSpec(RingSpec):
     per_device_lens = S.Shapes(ci=(128, 256), nightly=(128, 256, 384, 512))
     max_tokens = 1024
     examples = {"interpret": 6, "interpret-hazards": 2, "tpu-lower": 2, "tpu": 6}
-    bug_classes = RING_CLASSES + coverage.bug_classes(
+    bug_classes = RING_CLASSES + bugclasses.bug_classes(
         several_flash_blocks_per_step=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_q"] < p.per_device,
         # Inner kv blocks, forward and dq: a kv major block walked in several minor ones, and
         # a major block wider than a lane tile computed in one.

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attncheck import backends, coverage, oracle, parameters, yardstick
+from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
@@ -476,7 +476,7 @@ class SplashSpec(KernelSpec[SplashParams]):
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     # Searched in this order, each class only if no earlier example exercises it: classes
     # whose examples carry many conditions at once come first (fewer, richer examples).
-    bug_classes = coverage.bug_classes(
+    bug_classes = bugclasses.bug_classes(
         gqa=lambda p: p.api == "mha" and p.heads > p.kv_heads,
         q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,
         offset_inside_kv=offset_inside_kv,
@@ -524,7 +524,7 @@ class SplashSpec(KernelSpec[SplashParams]):
         # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
         bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 256 and p.values == "offset",
         # jax's kernel's findings (declared below): their cases run like any other.
-        forward_nan_rows_reach_backward=coverage.Touching(forward_nan_rows_reach_backward, _nan_backward),
+        forward_nan_rows_reach_backward=bugclasses.Touching(forward_nan_rows_reach_backward, _nan_backward),
         q_seq_shards_without_partial_blocks=q_seq_shards_without_partial_blocks,
         q_seq_shard_without_keys=q_seq_shard_without_keys)
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}

@@ -15,21 +15,14 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node, except those under ``if TYPE_CHECKING:`` (imported for annotations only)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
 def _imports(path: pathlib.Path, module: str, modules) -> set[str]:
-    """attncheck modules a module imports when it runs, at any level of its code
-    (``from package import module`` imports the module, not the package's other names)."""
+    """attncheck modules a module imports, at any level of its code, those under ``if
+    TYPE_CHECKING:`` included: a layer that needs another's types for its annotations
+    depends on it as much (``from package import module`` imports the module, not the
+    package's other names)."""
     found = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -80,7 +73,7 @@ def test_the_package_has_no_import_cycle():
 
 def test_the_cycle_finder_finds_a_planted_cycle():
     graph = import_graph()
-    graph["attncheck.coverage"] = graph["attncheck.coverage"] | {"attncheck.specs.base"}
+    graph["attncheck.bugclasses"] = graph["attncheck.bugclasses"] | {"attncheck.specs.base"}
     assert _cycle(graph) is not None
 
 
@@ -103,3 +96,13 @@ def test_the_plugin_imports_no_jax_until_a_run_asks_for_attncheck():
     probe = "import sys, attncheck.pytest_plugin; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_report_loads_the_interpreter_error_classification_without_the_patches():
+    import subprocess
+    import sys
+
+    probe = ("import sys, attncheck.report.model; from attncheck.interpret_compat import limitation_lines; "
+             "print(sorted(m for m in sys.modules if m.startswith('attncheck.interpret_compat.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['attncheck.interpret_compat.limitations']"

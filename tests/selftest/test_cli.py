@@ -12,16 +12,10 @@ import shlex
 import pytest
 
 from attncheck.report.records import Record
-from tests.selftest import toy_spec
+from tests.selftest import harness, toy_spec
 
-pytest_plugins = ("pytester",)
 WORST = re.compile(r"worst at batch=(\d+), head=(\d+), (query|key)=(\d+), dim=(\d+): "
                    r"kernel (\S+) vs oracle (\S+) \(")
-
-
-@pytest.fixture
-def gate_dir(pytester, monkeypatch):
-    return toy_spec.setup_gate_dir(pytester, monkeypatch)
 
 
 def _keys(report: dict) -> list[tuple]:
@@ -29,9 +23,9 @@ def _keys(report: dict) -> list[tuple]:
 
 
 def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"))
+    result = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention_wrong_scale"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    report = toy_spec.load_report(gate_dir / "rep")
+    report = harness.load_report(gate_dir / "rep")
     failing = [r for r in report["records"] if r["outcome"] == "fail"]
     case_id = failing[0]["case_id"]
     recorded = {r["direction"]: r for r in failing if r["case_id"] == case_id}
@@ -40,10 +34,10 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
     # The reproducer exactly as the report prints it.
     argv = shlex.split(failing[0]["repro"])
     assert argv[:3] == ["attncheck", "repro", case_id] and argv[-2:] == ["--report", "rep"]
-    proc = toy_spec.cli(gate_dir, *argv[1:])
+    proc = harness.cli(gate_dir, *argv[1:])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
-    assert f"case {case_id}: toy_attention / user ({toy_spec.SPEC_MODULE}:toy_attention_wrong_scale) on xla" in out
+    assert f"case {case_id}: toy_attention / user ({harness.SPEC_MODULE}:toy_attention_wrong_scale) on xla" in out
     lines = out.splitlines()
     for direction, r in recorded.items():
         at = next(i for i, line in enumerate(lines) if re.match(rf"\s+{direction}: FAIL\s+max abs error", line))
@@ -69,34 +63,34 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
         assert not causal_first or grid[0] == " " * 4, grid  # exactly the oracle's
 
     # --maps none: the same verdicts, no grid.
-    proc = toy_spec.cli(gate_dir, *argv[1:], "--maps", "none")
+    proc = harness.cli(gate_dir, *argv[1:], "--maps", "none")
     assert proc.returncode == 1 and "allowed over [" not in proc.stdout, proc.stdout
 
     # Without the spec module the family is unknown: a clear message, not a KeyError.
-    proc = toy_spec.cli(gate_dir, "repro", case_id, "--report", "rep")
+    proc = harness.cli(gate_dir, "repro", case_id, "--report", "rep")
     assert proc.returncode != 0 and "unknown kernel family 'toy_attention'" in proc.stderr, proc.stderr
     assert "--spec" in proc.stderr
 
     # `attncheck report` re-merges the records into fresh reports (incomplete unless told).
     for name in ("report.json", "report.md", "report.html"):
         (gate_dir / "rep" / name).unlink()
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep")
+    proc = harness.cli(gate_dir, "report", "--report", "rep")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("# attncheck: FAIL") and f"<code>{case_id}</code>" in proc.stdout
-    merged = toy_spec.load_report(gate_dir / "rep")
+    merged = harness.load_report(gate_dir / "rep")
     assert _keys(merged) == _keys(report) and merged["run_id"] == report["run_id"]
     assert merged["complete"] is False and (gate_dir / "rep" / "report.html").exists()
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--complete")
+    proc = harness.cli(gate_dir, "report", "--report", "rep", "--complete")
     assert proc.returncode == 1
-    assert toy_spec.load_report(gate_dir / "rep")["complete"] is True
+    assert harness.load_report(gate_dir / "rep")["complete"] is True
 
 
 def test_budgets_accept_then_a_grown_budget_is_a_numerics_regression(gate_dir, pytester):
-    result = toy_spec.run_gate(pytester, "rep")
+    result = harness.run_gate(pytester, "rep")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    report = toy_spec.load_report(gate_dir / "rep")
+    report = harness.load_report(gate_dir / "rep")
 
-    proc = toy_spec.cli(gate_dir, "budgets", "accept", "--report", "rep", "--output", "baseline.json")
+    proc = harness.cli(gate_dir, "budgets", "accept", "--report", "rep", "--output", "baseline.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     baseline = json.loads((gate_dir / "baseline.json").read_text())
     # One accepted budget per implementation x dtype x direction.
@@ -110,11 +104,11 @@ def test_budgets_accept_then_a_grown_budget_is_a_numerics_regression(gate_dir, p
     shrunk = {**baseline, "budgets": [{**b, "worst_budget": b["worst_budget"] / 10} for b in baseline["budgets"]]}
     (gate_dir / "shrunk.json").write_text(json.dumps(shrunk))
     # The toy's budgets sit below the default noise floor: judge growth from 0 here.
-    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-accepted-budgets=shrunk.json",
-                               "--attncheck-regression-floor=0")
+    result = harness.run_gate(pytester, "rep2", "--attncheck-accepted-budgets=shrunk.json",
+                              "--attncheck-regression-floor=0")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.stdout.fnmatch_lines(["GATE FAILURE: numerics regression: toy_attention/builtin/xla/*"])
-    regressed = toy_spec.load_report(gate_dir / "rep2")
+    regressed = harness.load_report(gate_dir / "rep2")
     assert regressed["totals"]["failures"] == 0  # every comparison passed: only the accepted budgets fail it
     assert len(regressed["regressions"]) == len(baseline["budgets"])
     assert set(regressed["regressions"]) <= set(regressed["problems"])
@@ -122,17 +116,17 @@ def test_budgets_accept_then_a_grown_budget_is_a_numerics_regression(gate_dir, p
     assert markdown.startswith("# attncheck: FAIL") and "numerics regression: toy_attention/lse/xla/" in markdown
 
     # Against the accepted budgets themselves the same records are no regression.
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep2", "--complete", "--accepted-budgets", "baseline.json")
+    proc = harness.cli(gate_dir, "report", "--report", "rep2", "--complete", "--accepted-budgets", "baseline.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert toy_spec.load_report(gate_dir / "rep2")["regressions"] == []
+    assert harness.load_report(gate_dir / "rep2")["regressions"] == []
 
 
 def test_the_old_option_and_command_names_still_work_with_a_deprecation_message(gate_dir, pytester):
-    result = toy_spec.run_gate(pytester, "rep")
+    result = harness.run_gate(pytester, "rep")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    proc = toy_spec.cli(gate_dir, "baseline", "update", "--report", "rep", "--output", "accepted.json")
+    proc = harness.cli(gate_dir, "baseline", "update", "--report", "rep", "--output", "accepted.json")
     assert proc.returncode == 0 and "deprecated, use `budgets accept`" in proc.stderr, proc.stderr
-    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-baseline=accepted.json")
+    result = harness.run_gate(pytester, "rep2", "--attncheck-baseline=accepted.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     result.stdout.fnmatch_lines(["*--attncheck-baseline is deprecated*"])
 
@@ -148,24 +142,24 @@ def test_the_old_option_and_command_names_still_work_with_a_deprecation_message(
 def test_every_bad_input_of_the_cli_is_one_clear_line(gate_dir, args, message):
     (gate_dir / "truncated").mkdir()
     (gate_dir / "truncated" / "report.json").write_text('{"records": [')
-    proc = toy_spec.cli(gate_dir, *args)
+    proc = harness.cli(gate_dir, *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_repro_of_an_unimportable_implementation_or_a_non_utf8_record_is_one_clear_line(gate_dir, pytester):
-    result = toy_spec.run_gate(pytester, "rep")
+    result = harness.run_gate(pytester, "rep")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    report = toy_spec.load_report(gate_dir / "rep")
+    report = harness.load_report(gate_dir / "rep")
     case_id = report["records"][0]["case_id"]
     for r in report["records"]:
         r["impl_ref"] = "no_such_module:fn"
     (gate_dir / "rep" / "report.json").write_text(json.dumps(report))
-    proc = toy_spec.cli(gate_dir, "repro", case_id, "--report", "rep", "--spec", toy_spec.SPEC_MODULE)
+    proc = harness.cli(gate_dir, "repro", case_id, "--report", "rep", "--spec", harness.SPEC_MODULE)
     assert proc.returncode == 2 and "cannot import 'no_such_module'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     # A records file with a byte that is not UTF-8: the merge names it, it does not crash.
     records = sorted((gate_dir / "rep" / "records").glob("*.jsonl"))[0]
     records.write_bytes(records.read_bytes() + b"\xff\n")
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep")
+    proc = harness.cli(gate_dir, "report", "--report", "rep")
     assert proc.returncode == 1 and "not UTF-8" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from attncheck import env
-from tests.selftest.toy_spec import REPO_ROOT
+from tests.selftest.harness import REPO_ROOT
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 

@@ -12,9 +12,7 @@ import sys
 import pytest
 
 from attncheck import cache_root, compile_cache, coverage
-from tests.selftest import toy_spec
-
-pytest_plugins = ("pytester",)
+from tests.selftest import harness
 
 
 def test_the_cache_is_under_the_cache_root_unless_the_option_says_otherwise(tmp_path, monkeypatch):
@@ -41,14 +39,14 @@ MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
 def _toy_run(pytester, report: str):
     """The toy gate's builtin implementation with -s, so that jax's debug log of the
     compiler (every persistent cache hit and miss) reaches the output."""
-    result = toy_spec.run_gate(pytester, report, "-s", "-k", "builtin")
+    result = harness.run_gate(pytester, report, "-s", "-k", "builtin")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     log = result.stdout.str() + result.stderr.str()
     return HIT.findall(log), MISS.findall(log)
 
 
+@pytest.mark.usefixtures("gate_dir")
 def test_a_run_fills_the_cache_the_next_run_loads_it_and_none_uses_none(pytester, monkeypatch, tmp_path):
-    toy_spec.setup_gate_dir(pytester, monkeypatch)
     # jax's compiler logs every persistent cache hit and miss at debug level; its debug
     # handler prints only while the jax logger has a level above debug.
     monkeypatch.setenv("JAX_DEBUG_LOG_MODULES", "jax._src.compiler")

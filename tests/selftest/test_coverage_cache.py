@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attncheck import cache_root, coverage, specs
+from attncheck import bugclasses, cache_root, coverage, specs
 from tests.selftest import toy_spec
 
 
@@ -65,7 +65,7 @@ def test_a_class_no_case_can_exercise_is_a_named_hole_not_a_crash(toy, tmp_path,
     """A class the strategy cannot draw under the active profile (the nightly's shapes left
     one flash class without any example, and the search's NoSuchExample ended the run's
     collection): the others keep their examples, and the coverage table names the hole."""
-    never = coverage.BugClass("never_drawn", lambda p: False)
+    never = bugclasses.BugClass("never_drawn", lambda p: False)
     monkeypatch.setattr(type(toy), "bug_classes", (*toy.bug_classes, never))
     found = fresh_examples(toy)
     assert found and not any(never.applies(c.params) for c in found)
@@ -77,7 +77,7 @@ def test_a_class_no_case_can_exercise_is_a_named_hole_not_a_crash(toy, tmp_path,
 def test_a_class_the_draws_miss_takes_its_explicit_example(toy, monkeypatch):
     """A class the strategy rarely draws is not a hole when the spec writes its example
     out; an example that does not exercise its class, or names no class, is a spec error."""
-    rare = coverage.BugClass("rare", lambda p: p.seq_len == 1000)
+    rare = bugclasses.BugClass("rare", lambda p: p.seq_len == 1000)
     example = toy_spec.Case(toy_spec.FAMILY, dataclasses.replace(
         coverage.search(toy)[0].params, seq_len=1000), 7)
     monkeypatch.setattr(type(toy), "bug_classes", (*toy.bug_classes, rare))

@@ -20,9 +20,9 @@ from attncheck import check, coverage, numerics, specs
 from attncheck.backends import BACKENDS
 from attncheck.report import errormap as em
 from attncheck.report import plots
-from tests.selftest import toy_spec
+from tests.selftest import harness, toy_spec
 
-SCHEMA = toy_spec.load_schema()
+SCHEMA = harness.load_schema()
 MAP_VALIDATOR = jsonschema.Draft202012Validator(
     {"$schema": SCHEMA["$schema"], "$defs": SCHEMA["$defs"], "$ref": "#/$defs/error_map"})
 NAMES = ("batch", "head", "query", "dim")

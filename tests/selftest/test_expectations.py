@@ -4,38 +4,26 @@ names nothing fail loudly."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from attncheck import check, coverage, expectations, specs
 from attncheck.backends import BACKENDS
 from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, Expectation
-from tests.selftest import chaos, toy_spec
+from tests.selftest import chaos, harness
 
-pytest_plugins = ("pytester",)
 DEVIATES = "tests.selftest.chaos:deviates_on_causal"
 
 
-@pytest.fixture
-def gate_dir(pytester, monkeypatch):
-    return toy_spec.setup_gate_dir(pytester, monkeypatch)
-
-
-def report_of(gate_dir, name: str = "rep") -> dict:
-    return json.loads((gate_dir / name / "report.json").read_text())
-
-
 def gate(pytester, *args):
-    return toy_spec.run_gate(pytester, "rep", f"--attncheck-impl=toy_attention={DEVIATES}", *args)
+    return harness.run_gate(pytester, "rep", f"--attncheck-impl=toy_attention={DEVIATES}", *args)
 
 
 def test_a_deviating_kernel_adopts_the_gate_with_one_command_and_stays_strict(gate_dir, pytester, monkeypatch):
     # Red on day one: its causal cases and one invalid call.
     assert gate(pytester).ret == pytest.ExitCode.TESTS_FAILED
-    assert report_of(gate_dir)["verdict"] == "FAIL"
-    init = toy_spec.cli(gate_dir, "expectations", "init", "--report", "rep")
+    assert harness.load_report(gate_dir / "rep")["verdict"] == "FAIL"
+    init = harness.cli(gate_dir, "expectations", "init", "--report", "rep")
     assert init.returncode == 0, init.stdout + init.stderr
     table = expectations.read(gate_dir / "pyproject.toml")
     assert {(e.kind, e.name, e.implementation) for e in table} == {
@@ -44,7 +32,7 @@ def test_a_deviating_kernel_adopts_the_gate_with_one_command_and_stays_strict(ga
     # Green with the table, which the gate reads from the root directory's pyproject.toml.
     result = gate(pytester)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "PASS" and report["totals"]["deviations"] > 0
     assert {(d["entry"]["name"], d["status"]) for d in report["deviations"]} == {("causal", "occurs"),
                                                                                 ("kv_head_dim", "occurs")}
@@ -55,7 +43,8 @@ def test_a_deviating_kernel_adopts_the_gate_with_one_command_and_stays_strict(ga
     # Strict on the rest: a bug the table does not declare still fails, on the cases it breaks.
     monkeypatch.setenv(chaos.PLANT_ENV, "1")
     assert gate(pytester).ret == pytest.ExitCode.TESTS_FAILED
-    failing = [r for r in report_of(gate_dir)["records"] if r["outcome"] != "pass" and "expected" not in r]
+    records = harness.load_report(gate_dir / "rep")["records"]
+    failing = [r for r in records if r["outcome"] != "pass" and "expected" not in r]
     assert failing and all(r["dtype"] == "bfloat16" and "causal" not in r["classes"] for r in failing)
 
 
@@ -66,10 +55,10 @@ def test_an_entry_whose_deviation_no_longer_occurs_fails_the_gate(gate_dir, pyte
     table.write_text(expectations.toml([Expectation("toy_attention", fixed, BUG_CLASS, "causal", "scale twice"),
                                         Expectation("toy_attention", fixed, INVALID_CALL, "rank", "accepted it")],
                                        pyproject=False))
-    result = toy_spec.run_gate(pytester, "rep", f"--attncheck-impl=toy_attention={fixed}",
-                               f"--attncheck-expectations={table}")
+    result = harness.run_gate(pytester, "rep", f"--attncheck-impl=toy_attention={fixed}",
+                              f"--attncheck-expectations={table}")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     stale = sorted(p for p in report["problems"] if p.startswith("stale expectation"))
     assert len(stale) == 2 and "bug class causal" in stale[0] and "invalid call rank" in stale[1], report["problems"]
     assert {d["entry"]["name"]: d["status"] for d in report["deviations"]} == {"causal": "stale", "rank": "stale"}

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 
-from attncheck import backends, check
+from attncheck import backends, check, env
 from attncheck import interpret_compat as ic
 
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
@@ -70,8 +70,10 @@ def test_backends_state_the_generation_they_emulate_and_enter_it():
     assert kinds == {"interpret": "TPU v5 lite", "interpret-hazards": "TPU v5 lite", "tpu-lower": "TPU v5 lite",
                      "tpu": None, "xla": None}
     interpret = backends.BACKENDS["interpret"]
-    assert interpret.recorded_settings(0) == {**interpret.settings(0), "emulated_tpu": "TPU v5 lite"}
-    assert backends.BACKENDS["xla"].recorded_settings(0) == {}
+    platform = env.current_platform().describe()
+    assert interpret.recorded_settings(0) == {**interpret.settings(0), "emulated_tpu": "TPU v5 lite",
+                                              "platform": platform}
+    assert backends.BACKENDS["xla"].recorded_settings(0) == {"platform": platform}
     with interpret.context():
         assert tuned_block_sizes.get_tpu_version() == 5
     assert tuned_block_sizes.get_tpu_version() == -1
@@ -84,7 +86,8 @@ def test_the_pytest_header_names_the_emulated_generation():
 
     from attncheck.run import GateRun
 
-    header = GateRun.pytest_report_header(types.SimpleNamespace(report_dir="rep", why="--attncheck"), None)
+    run = types.SimpleNamespace(report_dir="rep", why="--attncheck", platform=env.current_platform())
+    header = GateRun.pytest_report_header(run, None)
     assert "  interpret: available (emulates TPU v5 lite)" in header
     assert "  tpu-lower: available (emulates TPU v5 lite)" in header
     assert "  xla: available" in header

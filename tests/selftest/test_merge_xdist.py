@@ -15,9 +15,8 @@ import pytest
 
 from attncheck import scheduling
 from attncheck.report import records as rec
-from tests.selftest import toy_spec
+from tests.selftest import harness, toy_spec
 
-pytest_plugins = ("pytester",)
 DIRECTIONS = set(toy_spec.DIRECTIONS)
 # The gate verifies each implementation in two tests: the coverage examples, then the drawn cases.
 USER_TESTS = {part: f"test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla-{part}]"
@@ -32,19 +31,14 @@ INVALID_TESTS = len(toy_spec.SPEC.invalid_calls(toy_spec.toy_attention))
 DEFAULT_TESTS = len(toy_spec.SPEC.default_impls) * (2 + INVALID_TESTS)  # coverage, drawn, invalid calls
 
 
-@pytest.fixture
-def gate_dir(pytester, monkeypatch) -> pathlib.Path:
-    return toy_spec.setup_gate_dir(pytester, monkeypatch)
-
-
 @pytest.fixture(scope="module")
 def validator():
-    return jsonschema.Draft202012Validator(toy_spec.load_schema())
+    return jsonschema.Draft202012Validator(harness.load_schema())
 
 
 def check_report(report_dir: pathlib.Path, validator) -> dict:
     """report.json is valid, holds no duplicate record and only records of its own run."""
-    report = toy_spec.load_report(report_dir)
+    report = harness.load_report(report_dir)
     validator.validate(report)
     records = report["records"]
     typed = [rec.Record.from_json(r) for r in records]
@@ -73,10 +67,10 @@ def executed(path: pathlib.Path) -> set[tuple[str, str]]:
 def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, validator):
     # Three runs at once, each into its own report directory: -n 0, -n 2 and -n auto.
     runs = {"0": "rep-n0", "2": "rep-n2", "auto": "rep-nauto"}
-    procs = {n: toy_spec.start_gate(gate_dir, report, "-n", n,
-                                    env={toy_spec.CALL_LOG_ENV: str(gate_dir / f"calls-{n}.log")})
+    procs = {n: harness.start_gate(gate_dir, report, "-n", n,
+                                   env={toy_spec.CALL_LOG_ENV: str(gate_dir / f"calls-{n}.log")})
              for n, report in runs.items()}
-    outputs = {n: p.communicate(timeout=toy_spec.RUN_TIMEOUT_S)[0] for n, p in procs.items()}
+    outputs = {n: p.communicate(timeout=harness.RUN_TIMEOUT_S)[0] for n, p in procs.items()}
     reports = {}
     for n, report_name in runs.items():
         assert procs[n].returncode == 0, outputs[n]
@@ -141,8 +135,8 @@ def test_a_worker_ends_without_tearing_down_jax_once_its_records_are_written(gat
     """The controller waits for its workers to end before it writes the report; a gate
     worker's teardown (pytest's collections, jax's exit handlers) took 4-8 s."""
     (gate_dir / "exit_probe.py").write_text(EXIT_PROBE)
-    proc = toy_spec.start_gate(gate_dir, "rep", "-n", "2", "-p", "exit_probe")
-    output = proc.communicate(timeout=toy_spec.RUN_TIMEOUT_S)[0]
+    proc = harness.start_gate(gate_dir, "rep", "-n", "2", "-p", "exit_probe")
+    output = proc.communicate(timeout=harness.RUN_TIMEOUT_S)[0]
     assert proc.returncode == 0 and f"{DEFAULT_TESTS} passed" in output, output
     report = check_report(gate_dir / "rep", validator)
     assert report["complete"] is True and {r["worker"] for r in report["records"]} == {"gw0", "gw1"}
@@ -153,7 +147,7 @@ def test_a_worker_ends_without_tearing_down_jax_once_its_records_are_written(gat
 
 
 def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_dir, pytester, validator):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"))
+    result = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention_wrong_scale"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     result.assert_outcomes(failed=2, passed=INVALID_TESTS)  # the coverage and the drawn test
     failed = check_report(gate_dir / "rep", validator)
@@ -161,7 +155,7 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
     assert failing and {r["outcome"] for r in failed["records"]} == {"fail"}  # the scale matters in every case
     assert set(collections.Counter(r["case_id"] for r in failing).values()) == {4}  # every direction fails
     case_id = failing[0]["case_id"]
-    repro = f"attncheck repro {case_id} --impl user --backend xla --spec {toy_spec.SPEC_MODULE}"
+    repro = f"attncheck repro {case_id} --impl user --backend xla --spec {harness.SPEC_MODULE}"
     assert f"{repro} --report rep" in {r["repro"] for r in failing}
     markdown = (gate_dir / "rep" / "report.md").read_text()
     assert markdown.startswith("# attncheck: FAIL")
@@ -170,7 +164,7 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
 
     # --lf with the fixed implementation: only the failed tests run (same node ids: the
     # override is "user" either way), and the report is the rerun's, now passing.
-    rerun = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention"), "--lf")
+    rerun = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention"), "--lf")
     assert rerun.ret == pytest.ExitCode.OK, rerun.stdout.str()
     rerun.assert_outcomes(passed=2)
     rerun.stdout.re_match_lines([r"collected (2 items|\d+ items / \d+ deselected / 2 selected)",
@@ -180,7 +174,7 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
     assert fixed["complete"] is True and fixed["problems"] == []
     assert {r["nodeid"] for r in fixed["records"]} == set(USER_TESTS.values())
     assert {r["outcome"] for r in fixed["records"]} == {"pass"}
-    assert {r["impl_ref"] for r in fixed["records"]} == {f"{toy_spec.SPEC_MODULE}:toy_attention"}
+    assert {r["impl_ref"] for r in fixed["records"]} == {f"{harness.SPEC_MODULE}:toy_attention"}
     assert case_id in {r["case_id"] for r in fixed["records"]}  # the same draws, now passing
     assert len(fixed["records"]) >= 4 * toy_spec.SPEC.examples["xla"]
     assert (gate_dir / "rep" / "report.md").read_text().startswith("# attncheck: PASS")
@@ -188,8 +182,8 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_interrupted_run_still_merges_and_is_marked_incomplete(gate_dir, pytester, validator, workers):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_interrupt"), "-n", workers,
-                               *DRAWN_ONLY)
+    result = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention_interrupt"), "-n", workers,
+                              *DRAWN_ONLY)
     assert result.ret == pytest.ExitCode.INTERRUPTED, result.stdout.str()
     # pytest: "KeyboardInterrupt"; xdist: "node down: keyboard-interrupt"
     result.stdout.re_match_lines([r"(?i).*keyboard.?interrupt"])
@@ -209,8 +203,8 @@ def test_interrupted_run_still_merges_and_is_marked_incomplete(gate_dir, pyteste
 
 
 def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, validator):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_hang"), "--timeout=5",
-                               *DRAWN_ONLY)
+    result = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention_hang"), "--timeout=5",
+                              *DRAWN_ONLY)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     # The hanging test fails with the timeout; the other tests still ran and passed.
     result.assert_outcomes(failed=1, passed=INVALID_TESTS)
@@ -232,8 +226,8 @@ def test_hanging_kernel_times_out_and_the_run_continues(gate_dir, pytester, vali
 @pytest.mark.parametrize("stop_early", [False, True])
 def test_coverage_test_reports_every_failing_case_unless_the_run_stops_at_the_first(gate_dir, pytester, validator,
                                                                                     stop_early):
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_wrong_scale"), "-k", "coverage",
-                               *(["-x"] if stop_early else []))
+    result = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention_wrong_scale"), "-k", "coverage",
+                              *(["-x"] if stop_early else []))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     records = check_report(gate_dir / "rep", validator)["records"]
     assert {r["outcome"] for r in records} == {"fail"}

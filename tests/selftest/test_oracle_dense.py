@@ -362,6 +362,33 @@ def test_huge_bias_selects_its_key_exactly():
     np.testing.assert_array_equal(out, np.broadcast_to(v[:, :, chosen], out.shape))
 
 
+def test_one_query_and_two_keys_give_the_hand_computed_output_and_gradients():
+    """Small enough to compute by hand: the arithmetic is in the comments, not in the oracle."""
+    # [B, H, Q or K, D] = [1, 1, 1, 2] and [1, 1, 2, 2]; scale 1.
+    q = np.array([1.0, 2.0]).reshape(1, 1, 1, 2)
+    k = np.array([[0.0, 0.0], [np.log(3.0), 0.0]]).reshape(1, 1, 2, 2)
+    v = np.array([[4.0, 0.0], [0.0, 8.0]]).reshape(1, 1, 2, 2)
+    d_out = np.array([1.0, 1.0]).reshape(1, 1, 1, 2)
+    # logits: s0 = 1*0 + 2*0 = 0, s1 = 1*ln3 + 2*0 = ln3
+    # exp: e^0 = 1, e^ln3 = 3, sum 4: p = [1/4, 3/4], lse = ln4
+    # out = 1/4*[4, 0] + 3/4*[0, 8] = [1, 0] + [0, 6] = [1, 6]
+    result = oracle.attention(q, k, v, scale=1.0)
+    np.testing.assert_allclose(result.out, np.array([1.0, 6.0]).reshape(1, 1, 1, 2), **FLOAT64_TOL)
+    np.testing.assert_allclose(result.lse, np.log(4.0) * np.ones((1, 1, 1)), **FLOAT64_TOL)
+    # dP_j = d_out . v_j: dP0 = 1*4 + 1*0 = 4, dP1 = 1*0 + 1*8 = 8
+    # rowsum(p * dP) = 1/4*4 + 3/4*8 = 1 + 6 = 7 (= d_out . out = 1 + 6)
+    # dS_j = p_j (dP_j - 7): dS0 = 1/4 * (4 - 7) = -3/4, dS1 = 3/4 * (8 - 7) = 3/4
+    # dq = dS0 k0 + dS1 k1 = -3/4*[0, 0] + 3/4*[ln3, 0] = [3/4 ln3, 0]
+    # dk_j = dS_j q: dk0 = -3/4*[1, 2] = [-3/4, -3/2], dk1 = 3/4*[1, 2] = [3/4, 3/2]
+    # dv_j = p_j d_out: dv0 = 1/4*[1, 1] = [1/4, 1/4], dv1 = 3/4*[1, 1] = [3/4, 3/4]
+    grads = oracle.attention_vjp(q, k, v, d_out, scale=1.0)
+    np.testing.assert_allclose(grads["dq"], np.array([0.75 * np.log(3.0), 0.0]).reshape(1, 1, 1, 2), **FLOAT64_TOL)
+    np.testing.assert_allclose(grads["dk"], np.array([[-0.75, -1.5], [0.75, 1.5]]).reshape(1, 1, 2, 2),
+                               **FLOAT64_TOL)
+    np.testing.assert_allclose(grads["dv"], np.array([[0.25, 0.25], [0.75, 0.75]]).reshape(1, 1, 2, 2),
+                               **FLOAT64_TOL)
+
+
 def _fully_masked_problem():
     """Queries 3 and 4 carry segment 9, which no key has. Two query heads share each kv head."""
     kwargs = dict(q=_random((2, 4, 5, 3)), k=_random((2, 2, 6, 3), seed=1), v=_random((2, 2, 6, 2), seed=2),

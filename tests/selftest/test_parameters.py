@@ -18,9 +18,7 @@ from attncheck import compiled, parameters
 from attncheck.report import merge
 from attncheck.report.policy import Policy
 from attncheck.report import records as rec
-from tests.selftest import test_report, toy_spec
-
-pytest_plugins = ("pytester",)
+from tests.selftest import harness, test_report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +145,16 @@ def test_cases_whose_call_could_not_be_probed_are_a_coverage_problem(tmp_path):
     assert problems(False) == []
 
 
-def test_a_keyword_the_spec_never_passes_fails_the_gate(pytester, monkeypatch):
+def test_a_keyword_the_spec_never_passes_fails_the_gate(gate_dir, pytester):
     """The check is generic: a keyword added to an implementation shows up as never varied
     without anyone touching the spec."""
-    toy_spec.setup_gate_dir(pytester, monkeypatch)
-    result = toy_spec.run_gate(pytester, "rep", "--attncheck-require-coverage", "-k", "not invalid",
-                               toy_spec.impl_option("toy_attention_new_keyword"))
+    result = harness.run_gate(pytester, "rep", "--attncheck-require-coverage", "-k", "not invalid",
+                              harness.impl_option("toy_attention_new_keyword"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    report = toy_spec.load_report(pytester.path / "rep")
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "FAIL" and report["totals"]["failures"] == 0
     assert report["problems"] == ["parameter coverage: toy_attention never varied window (always None)"]
     assert report["parameters"]["toy_attention"]["window"] == {"None": report["totals"]["cases"]}
     # The built-in implementation, without the keyword: every parameter varied or is declared fixed.
-    result = toy_spec.run_gate(pytester, "rep2", "--attncheck-require-coverage", "-k", "not invalid")
+    result = harness.run_gate(pytester, "rep2", "--attncheck-require-coverage", "-k", "not invalid")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()

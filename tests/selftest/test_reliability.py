@@ -8,32 +8,21 @@ records of the cases that ran before the misbehaviour.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
 
 import pytest
 
-from tests.selftest import chaos, toy_spec
+from tests.selftest import chaos, harness, toy_spec
 
-pytest_plugins = ("pytester",)
 CHAOS = "tests.selftest.chaos"
 FORWARD = ("--attncheck-spec=tests.selftest.toy_forward_spec", "--attncheck-only-spec")
 SHORT_TIMEOUT_S = 5
 
 
-@pytest.fixture
-def gate_dir(pytester, monkeypatch):
-    return toy_spec.setup_gate_dir(pytester, monkeypatch)
-
-
 def impl(name: str, family: str = "toy_attention") -> str:
     return f"--attncheck-impl={family}={CHAOS}:{name}"
-
-
-def report_of(gate_dir, name: str = "rep") -> dict:
-    return json.loads((gate_dir / name / "report.json").read_text())
 
 
 def named(record: dict) -> bool:
@@ -49,9 +38,9 @@ def named(record: dict) -> bool:
     (("--collect-only",), "no gate test was selected"),
 ])
 def test_a_run_that_verified_nothing_is_not_a_pass(gate_dir, pytester, args, why):
-    result = toy_spec.run_gate(pytester, "rep", "--attncheck-require-coverage", *args)
+    result = harness.run_gate(pytester, "rep", "--attncheck-require-coverage", *args)
     assert result.ret != pytest.ExitCode.OK, result.stdout.str()
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "NO CASES", report["verdict"]
     assert any(why in line for line in report["unverified"]), report["unverified"]
     markdown = (gate_dir / "rep" / "report.md").read_text()
@@ -61,9 +50,9 @@ def test_a_run_that_verified_nothing_is_not_a_pass(gate_dir, pytester, args, why
 
 def test_a_target_whose_every_case_was_skipped_verified_nothing(gate_dir, pytester):
     """The tpu backend is skipped here: asked for with xla, xla passes and tpu is named."""
-    result = toy_spec.run_gate(pytester, "rep", "--attncheck-backend=xla,tpu")
+    result = harness.run_gate(pytester, "rep", "--attncheck-backend=xla,tpu")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "NO CASES" and report["totals"]["failures"] == 0
     assert report["unverified"] == [f"backend tpu requested but unavailable: {report['skipped_backends'][0]['reason']}"]
 
@@ -71,10 +60,10 @@ def test_a_target_whose_every_case_was_skipped_verified_nothing(gate_dir, pytest
 @pytest.mark.parametrize("content", ['{"a": ', "[1, 2]", '{"x": "slow"}'])
 def test_a_bad_durations_file_is_a_warning_and_the_run_goes_on(gate_dir, pytester, content):
     (gate_dir / "durations.json").write_text(content)
-    result = toy_spec.run_gate(pytester, "rep", "--attncheck-durations=durations.json")
+    result = harness.run_gate(pytester, "rep", "--attncheck-durations=durations.json")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     result.stdout.fnmatch_lines(["*attncheck: --attncheck-durations: ignoring*durations.json*"])
-    assert report_of(gate_dir)["verdict"] == "PASS"
+    assert harness.load_report(gate_dir / "rep")["verdict"] == "PASS"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -90,7 +79,7 @@ def test_bad_options_and_input_files_are_usage_errors_that_name_them(gate_dir, p
     (gate_dir / "budgets.json").write_text("[]")
     (gate_dir / "entry.json").write_text('{"budgets": [{"kernel": "k", "impl": "i", "backend": "xla", '
                                          '"direction": "out", "worst_budget": 0.5}]}')
-    result = toy_spec.run_gate(pytester, "rep", *args)
+    result = harness.run_gate(pytester, "rep", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
     assert message in result.stderr.str(), result.stderr.str()
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
@@ -109,10 +98,10 @@ def test_bad_options_and_input_files_are_usage_errors_that_name_them(gate_dir, p
 def test_whatever_an_implementation_returns_ends_in_records_that_name_the_case(gate_dir, pytester, name, family_args,
                                                                                expect):
     family = "toy_forward" if family_args else "toy_attention"
-    result = toy_spec.run_gate(pytester, "rep", impl(name, family), "-k", "coverage", f"--attncheck-kernel={family}",
-                               *family_args)
+    result = harness.run_gate(pytester, "rep", impl(name, family), "-k", "coverage", f"--attncheck-kernel={family}",
+                              *family_args)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "FAIL"
     records = report["records"]
     # Both coverage examples failed and were recorded: the first did not abort the test.
@@ -130,14 +119,14 @@ def test_whatever_an_implementation_returns_ends_in_records_that_name_the_case(g
 @pytest.mark.parametrize("name", ["hang_while_tracing", "hang_in_callback"])
 def test_a_hang_stops_its_test_once_names_the_case_and_the_run_goes_on(gate_dir, pytester, name):
     start = time.monotonic()
-    result = toy_spec.run_gate(pytester, "rep", impl(name), f"--timeout={SHORT_TIMEOUT_S}")
+    result = harness.run_gate(pytester, "rep", impl(name), f"--timeout={SHORT_TIMEOUT_S}")
     elapsed = time.monotonic() - start
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     # The coverage and the drawn test each time out once: no second timeout for a replay,
     # no next case after the first hang.
     result.assert_outcomes(failed=2, passed=len(toy_spec.SPEC.invalid_calls(getattr(chaos, name))))
     assert elapsed < 4 * SHORT_TIMEOUT_S + 60, elapsed
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "FAIL"
     hung = [r for r in report["records"] if r["outcome"] == "error"]
     assert len(hung) == 2 and all(named(r) for r in hung), report["records"]  # one case per test
@@ -166,17 +155,17 @@ def test_a_hang_no_signal_reaches_ends_within_twice_its_limit_and_names_the_case
     hang = (impl("hang_behind_pallas"), f"--timeout={SHORT_TIMEOUT_S}", "--attncheck-report=rep")
     start = time.monotonic()
     if args[0] == "gate":
-        proc = toy_spec.cli(gate_dir, *args, *toy_spec.GATE_ARGS[2:], *hang)
+        proc = harness.cli(gate_dir, *args, *harness.GATE_ARGS[2:], *hang)
         rc, output = proc.returncode, proc.stdout + proc.stderr
         assert "-n 0 runs as -n 1" in output, output
     else:
-        result = pytester.runpytest_subprocess(*toy_spec.GATE_ARGS, *args, *hang, timeout=toy_spec.RUN_TIMEOUT_S)
+        result = pytester.runpytest_subprocess(*harness.GATE_ARGS, *args, *hang, timeout=harness.RUN_TIMEOUT_S)
         rc, output = result.ret, result.stdout.str()
     elapsed = time.monotonic() - start
     # The mechanism under test: the callback ran, and not on the main thread.
     assert threads.read_text().split()[:1] == ["False"], threads.read_text() if threads.exists() else "no callback"
     assert rc != 0, output
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "FAIL", report["verdict"]
     hung = [r for r in report["records"] if r["outcome"] == "error"]
     assert hung and all(named(r) for r in hung), report["records"]
@@ -202,9 +191,9 @@ def test_a_hang_no_signal_reaches_ends_within_twice_its_limit_and_names_the_case
 
 @pytest.mark.parametrize("name", ["exit_process", "abort_process"])
 def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir, pytester, name):
-    result = toy_spec.run_gate(pytester, "rep", impl(name), "-n", "2", "-k", "drawn")
+    result = harness.run_gate(pytester, "rep", impl(name), "-n", "2", "-k", "drawn")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "FAIL"
     passed = [r for r in report["records"] if r["outcome"] == "pass"]
     lost = [r for r in report["records"] if r["outcome"] == "error"]
@@ -222,17 +211,17 @@ def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir,
 
 
 def test_a_process_that_dies_leaves_incomplete_not_the_previous_pass_and_can_be_merged(gate_dir, pytester):
-    result = toy_spec.run_gate(pytester, "rep")
-    assert result.ret == pytest.ExitCode.OK and report_of(gate_dir)["verdict"] == "PASS"
-    result = toy_spec.run_gate(pytester, "rep", impl("exit_process"), "-n", "0", "-k", "drawn")
+    result = harness.run_gate(pytester, "rep")
+    assert result.ret == pytest.ExitCode.OK and harness.load_report(gate_dir / "rep")["verdict"] == "PASS"
+    result = harness.run_gate(pytester, "rep", impl("exit_process"), "-n", "0", "-k", "drawn")
     assert result.ret == 13, result.stdout.str()
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "INCOMPLETE" and report["records"] == []
     assert (gate_dir / "rep" / "report.md").read_text().startswith("# attncheck: INCOMPLETE")
     run_id = report["run_id"]
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", run_id)
+    proc = harness.cli(gate_dir, "report", "--report", "rep", "--run", run_id)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    merged = report_of(gate_dir)
+    merged = harness.load_report(gate_dir / "rep")
     assert merged["verdict"] == "FAIL" and merged["run_id"] == run_id and merged["wall_s"] is not None
     lost = [r for r in merged["records"] if r["outcome"] == "error"]
     assert len(lost) == 1 and named(lost[0]) and "never finished" in lost[0]["reason"]
@@ -272,11 +261,11 @@ def test_the_invalid_input_test_holds_every_implementation_to_a_message_naming_t
 
 
 def test_an_implementation_under_test_that_accepts_invalid_input_fails_the_gate(gate_dir, pytester):
-    result = toy_spec.run_gate(pytester, "rep", impl("accepts_invalid_inputs"), "-k", "invalid_input")
+    result = harness.run_gate(pytester, "rep", impl("accepts_invalid_inputs"), "-k", "invalid_input")
     # The user's implementation, not the builtin, met each invalid call of the family.
     result.assert_outcomes(failed=len(toy_spec.SPEC.invalid_calls(chaos.accepts_invalid_inputs)))
     result.stdout.fnmatch_lines(["FAILED *test_invalid_input_is_rejected_clearly[[]toy_attention-user-rank[]]*"])
-    report = report_of(gate_dir)
+    report = harness.load_report(gate_dir / "rep")
     assert report["verdict"] == "FAIL"
     assert any("[toy_attention-user-kv_head_dim] failed without a failing record: Failed: toy_attention/user "
                f"({CHAOS}:accepts_invalid_inputs) accepted invalid input silently: kv_head_dim" in p
@@ -286,31 +275,31 @@ def test_an_implementation_under_test_that_accepts_invalid_input_fails_the_gate(
 # ------------------------------------------------------------------ one report directory, one run
 def test_a_second_live_run_on_the_same_report_directory_stops_at_once(gate_dir):
     env = {toy_spec.CALL_LOG_ENV: ""}
-    first = toy_spec.start_gate(gate_dir, "rep", "-n", "0", impl("hang_while_tracing"), "--timeout=60", env=env)
+    first = harness.start_gate(gate_dir, "rep", "-n", "0", impl("hang_while_tracing"), "--timeout=60", env=env)
     try:
         deadline = time.monotonic() + 120
         while not (gate_dir / "rep" / "report.md").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
-        second = toy_spec.start_gate(gate_dir, "rep", "-n", "0", env=env)
+        second = harness.start_gate(gate_dir, "rep", "-n", "0", env=env)
         out, _ = second.communicate(timeout=120)
         assert second.returncode == pytest.ExitCode.USAGE_ERROR, out
         assert re.search(r"--attncheck-report .*rep: in use by run \d+T\d+ \(pid \d+", out), out
-        assert report_of(gate_dir)["verdict"] == "INCOMPLETE"  # the first run's, untouched
+        assert harness.load_report(gate_dir / "rep")["verdict"] == "INCOMPLETE"  # the first run's, untouched
     finally:
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=120)
-    assert report_of(gate_dir)["verdict"] == "FAIL"  # the first run merged its own records
+    assert harness.load_report(gate_dir / "rep")["verdict"] == "FAIL"  # the first run merged its own records
 
 
 def test_report_merges_any_run_of_the_directory(gate_dir, pytester):
-    assert toy_spec.run_gate(pytester, "rep", impl("all_nan"), "-k", "coverage").ret == pytest.ExitCode.TESTS_FAILED
-    failing_run = report_of(gate_dir)["run_id"]
-    assert toy_spec.run_gate(pytester, "rep", "-k", "coverage").ret == pytest.ExitCode.OK
-    passing_run = report_of(gate_dir)["run_id"]
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", failing_run, "--complete")
-    assert proc.returncode == 1 and report_of(gate_dir)["run_id"] == failing_run
-    assert report_of(gate_dir)["verdict"] == "FAIL"
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", passing_run, "--complete")
-    assert proc.returncode == 0 and report_of(gate_dir)["verdict"] == "PASS"
-    proc = toy_spec.cli(gate_dir, "report", "--report", "rep", "--run", "20990101T0000000")
+    assert harness.run_gate(pytester, "rep", impl("all_nan"), "-k", "coverage").ret == pytest.ExitCode.TESTS_FAILED
+    failing_run = harness.load_report(gate_dir / "rep")["run_id"]
+    assert harness.run_gate(pytester, "rep", "-k", "coverage").ret == pytest.ExitCode.OK
+    passing_run = harness.load_report(gate_dir / "rep")["run_id"]
+    proc = harness.cli(gate_dir, "report", "--report", "rep", "--run", failing_run, "--complete")
+    assert proc.returncode == 1 and harness.load_report(gate_dir / "rep")["run_id"] == failing_run
+    assert harness.load_report(gate_dir / "rep")["verdict"] == "FAIL"
+    proc = harness.cli(gate_dir, "report", "--report", "rep", "--run", passing_run, "--complete")
+    assert proc.returncode == 0 and harness.load_report(gate_dir / "rep")["verdict"] == "PASS"
+    proc = harness.cli(gate_dir, "report", "--report", "rep", "--run", "20990101T0000000")
     assert proc.returncode == 2 and "no such run" in proc.stderr

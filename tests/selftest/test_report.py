@@ -17,19 +17,17 @@ import jsonschema
 import numpy as np
 import pytest
 
-from attncheck import accepted, check, coverage, numerics
+from attncheck import accepted, check, numerics
 from attncheck.backends import BACKENDS
 from attncheck.env import Platform
 from attncheck.expectations import Expectation
-from attncheck.report import errormap, history, merge, model, render
+from attncheck.report import coverage_table, errormap, history, merge, model, render
 from attncheck.report import records as rec
-from attncheck.report.policy import Declared, Policy
+from attncheck.report.policy import REGRESSION_FLOOR, Declared, Policy
 from attncheck.report.records import Record
-from tests.selftest import toy_spec
+from tests.selftest import harness, toy_spec
 
-pytest_plugins = ("pytester",)
-
-SCHEMA = toy_spec.load_schema()
+SCHEMA = harness.load_schema()
 REPORT_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 RECORD_VALIDATOR = jsonschema.Draft202012Validator(
     {"$schema": SCHEMA["$schema"], "$defs": SCHEMA["$defs"], "$ref": "#/$defs/record"})
@@ -93,10 +91,9 @@ def merged(directory, **outcome) -> model.Report:
 
 
 # ---------------------------------------------------------------------- schema
-def test_records_of_a_real_toy_run_match_the_schema(pytester, monkeypatch):
-    gate_dir = toy_spec.setup_gate_dir(pytester, monkeypatch)
+def test_records_of_a_real_toy_run_match_the_schema(gate_dir, pytester):
     # Wrong on causal cases only: pass records, then fail records.
-    result = toy_spec.run_gate(pytester, "rep", toy_spec.impl_option("toy_attention_mixed"))
+    result = harness.run_gate(pytester, "rep", harness.impl_option("toy_attention_mixed"))
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
     text = (gate_dir / "rep" / "report.json").read_text()
     report = _strict_json(text)
@@ -118,7 +115,7 @@ def test_records_of_a_real_toy_run_match_the_schema(pytester, monkeypatch):
         assert toy_spec.SPEC.case_from_json(r["case"]).id == r["case_id"]  # the case id is the recorded case
         assert (r["outcome"] == "pass") == r["metrics"]["passed"]
         # A user spec and a report directory other than the default are named in the reproducer.
-        assert r["repro"].endswith(f"--spec {toy_spec.SPEC_MODULE} --report rep")
+        assert r["repro"].endswith(f"--spec {harness.SPEC_MODULE} --report rep")
         # toy_attention_mixed is wrong exactly on the causal cases.
         assert (r["outcome"] == "fail") == r["case"]["params"]["causal"]
 
@@ -245,10 +242,10 @@ def test_coverage_counts_cases_per_class_and_their_failures():
                record("c1", direction="dq", classes=["causal", "bf16"], outcome="fail", budget=2.0),
                record("c1", backend="tpu", classes=["causal", "bf16"]),  # another backend: another case run
                record("c3", classes=["surprise"])]
-    table = coverage.table(records, {"toy_attention": ("causal", "bf16", "never"), "absent": ("x",)})
-    C = coverage.ClassCount  # noqa: N806
+    table = coverage_table.table(records, {"toy_attention": ("causal", "bf16", "never"), "absent": ("x",)})
+    C = coverage_table.ClassCount  # noqa: N806
     assert table == {"toy_attention": {"causal": C(3, 1), "bf16": C(2, 1), "never": C(0, 0), "surprise": C(1, 0)}}
-    assert coverage.missing(table, {"toy_attention": ("causal", "bf16", "never")}) == {"toy_attention": ["never"]}
+    assert coverage_table.missing(table, {"toy_attention": ("causal", "bf16", "never")}) == {"toy_attention": ["never"]}
 
 
 def _row(worst_budget: float, dtype: str = "float32", impl: str = "builtin", direction: str = "out",
@@ -263,7 +260,7 @@ def _accepted(*budgets: tuple[float, str]) -> accepted.AcceptedBudgets:
 
 
 def _regressions(rows, budgets, platform=PLATFORM, profile="ci") -> list[str]:
-    found, differences = accepted.judge(rows, budgets, accepted.REGRESSION_FLOOR, platform, profile)
+    found, differences = accepted.judge(rows, budgets, REGRESSION_FLOOR, platform, profile)
     assert not differences
     return found
 
@@ -271,7 +268,7 @@ def _regressions(rows, budgets, platform=PLATFORM, profile="ci") -> list[str]:
 @pytest.mark.parametrize("accepted_budget", [0.5, 0.0])  # 0.0: the noise floor applies
 def test_regression_factor_boundary(accepted_budget):
     budgets = _accepted((accepted_budget, "builtin"))
-    limit = accepted.REGRESSION_FACTOR * max(accepted_budget, accepted.REGRESSION_FLOOR)
+    limit = accepted.REGRESSION_FACTOR * max(accepted_budget, REGRESSION_FLOOR)
     assert _regressions([_row(limit)], budgets) == []  # at the limit: accepted
     assert _regressions([_row(limit / 2)], budgets) == []
     found = _regressions([_row(math.nextafter(limit, math.inf))], budgets)

@@ -13,9 +13,7 @@ import types
 import pytest
 
 from attncheck import scheduling
-from tests.selftest import toy_spec
-
-pytest_plugins = ("pytester",)
+from tests.selftest import harness, toy_spec
 
 
 def _item(nodeid: str, fail_fast: bool = False, lead: bool = False, family: str | None = None):
@@ -178,19 +176,18 @@ def test_coverage_shares_split_the_examples_into_small_contiguous_tests_without_
     assert len(shares) == max(1, -(-examples // coverage.EXAMPLES_PER_TEST))
 
 
-def test_a_gate_run_collects_the_changed_family_first(pytester, monkeypatch):
+def test_a_gate_run_collects_the_changed_family_first(gate_dir, pytester):
     """Two toy families of one implementation; the forward one verifies a user's
     implementation, which kernel_sources.json has no record of: it is new code, and all its
     tests come first. With every implementation recorded as it is, nothing moves."""
-    toy_spec.setup_gate_dir(pytester, monkeypatch)
     user = "tests.selftest.chaos:accepts_invalid_inputs"
     args = ("--collect-only", "-q", "--attncheck-spec=tests.selftest.toy_forward_spec",
             f"--attncheck-impl=toy_forward={user}", "--attncheck-durations=durations.json")
-    scheduling.write(pytester.path / "durations.json", {})
+    scheduling.write(gate_dir / "durations.json", {})
 
     def families(recorded: list[str]) -> list[str]:
-        scheduling.write_sources(pytester.path / scheduling.SOURCES_FILE, recorded)
-        result = toy_spec.run_gate(pytester, "rep", *args)
+        scheduling.write_sources(gate_dir / scheduling.SOURCES_FILE, recorded)
+        result = harness.run_gate(pytester, "rep", *args)
         ids = [line for line in result.outlines if "test_kernel_matches_oracle[" in line]
         assert ids, result.stdout.str()
         return [re.search(r"\[(toy_\w+?)-", line)[1] for line in ids]

@@ -21,10 +21,8 @@ from attncheck.mutation import runner
 from attncheck.report import merge, model, render
 from attncheck.report.policy import Policy
 from attncheck.report import records as rec
-from tests.selftest import toy_spec
+from tests.selftest import harness
 from tests.selftest.test_report import APPLICABLE, record
-
-pytest_plugins = ("pytester",)
 
 
 # ---------------------------------------------------------------------- the split
@@ -280,9 +278,7 @@ def _comparisons(report: dict) -> list[tuple]:
                   for r in report["records"])
 
 
-def test_four_shards_of_the_toy_gate_merge_into_the_report_of_the_unsharded_run(pytester, monkeypatch):
-    gate_dir = toy_spec.setup_gate_dir(pytester, monkeypatch)
-    monkeypatch.delenv(toy_spec.CALL_LOG_ENV, raising=False)
+def test_four_shards_of_the_toy_gate_merge_into_the_report_of_the_unsharded_run(gate_dir):
     # As in CI: every run writes the default report directory of its own checkout (so the
     # reproducers are the same), one shard with xdist workers inside.
     report = "reports/latest"
@@ -290,24 +286,24 @@ def test_four_shards_of_the_toy_gate_merge_into_the_report_of_the_unsharded_run(
     for directory in runs.values():
         directory.mkdir()
     # Asked to require coverage, as ./dev gate is: the shards leave it to the merge.
-    procs = {"whole": toy_spec.start_gate(runs["whole"], report, "--attncheck-require-coverage", "-n", "0")}
+    procs = {"whole": harness.start_gate(runs["whole"], report, "--attncheck-require-coverage", "-n", "0")}
     for k in range(1, 5):
-        procs[f"s{k}"] = toy_spec.start_gate(runs[f"s{k}"], report, "--attncheck-require-coverage",
-                                             f"--attncheck-shard={k}/4", "-n", "2" if k == 2 else "0")
-    outputs = {name: p.communicate(timeout=toy_spec.RUN_TIMEOUT_S)[0] for name, p in procs.items()}
+        procs[f"s{k}"] = harness.start_gate(runs[f"s{k}"], report, "--attncheck-require-coverage",
+                                            f"--attncheck-shard={k}/4", "-n", "2" if k == 2 else "0")
+    outputs = {name: p.communicate(timeout=harness.RUN_TIMEOUT_S)[0] for name, p in procs.items()}
     for name, p in procs.items():
         assert p.returncode == 0, outputs[name]
     shard_dirs = [str(runs[f"s{k}"] / report) for k in range(1, 5)]
-    merged = toy_spec.cli(gate_dir, "report", "merge", *shard_dirs, "--report", "merged")
+    merged = harness.cli(gate_dir, "report", "merge", *shard_dirs, "--report", "merged")
     assert merged.returncode == 0, merged.stdout + merged.stderr
-    whole, joined = toy_spec.load_report(runs["whole"] / report), toy_spec.load_report(gate_dir / "merged")
-    jsonschema.Draft202012Validator(toy_spec.load_schema()).validate(joined)
+    whole, joined = harness.load_report(runs["whole"] / report), harness.load_report(gate_dir / "merged")
+    jsonschema.Draft202012Validator(harness.load_schema()).validate(joined)
     # The shards ran every test of the run once, each shard a part.
     ran = [set(scheduling.load(runs[f"s{k}"] / report / scheduling.REPORT_FILE)) for k in range(1, 5)]
     assert all(ran) and sum(map(len, ran)) == len(set().union(*ran))
     assert set().union(*ran) == set(scheduling.load(runs["whole"] / report / scheduling.REPORT_FILE))
     assert set(scheduling.load(gate_dir / "merged" / scheduling.REPORT_FILE)) == set().union(*ran)
-    assert [toy_spec.load_report(runs[f"s{k}"] / report)["shard"]["index"] for k in range(1, 5)] == [1, 2, 3, 4]
+    assert [harness.load_report(runs[f"s{k}"] / report)["shard"]["index"] for k in range(1, 5)] == [1, 2, 3, 4]
     # ... and their merge is the unsharded run's report.
     assert whole["verdict"] == "PASS" and whole["records"]
     assert _comparisons(joined) == _comparisons(whole)
@@ -315,14 +311,14 @@ def test_four_shards_of_the_toy_gate_merge_into_the_report_of_the_unsharded_run(
     assert "shard" not in joined
 
     # Without shard 2 the merge fails and names it.
-    partial = toy_spec.cli(gate_dir, "report", "merge", *shard_dirs[:1], *shard_dirs[2:], "--report", "partial")
+    partial = harness.cli(gate_dir, "report", "merge", *shard_dirs[:1], *shard_dirs[2:], "--report", "partial")
     assert partial.returncode == 1
-    assert "shard 2/4 is missing" in toy_spec.load_report(gate_dir / "partial")["problems"][0]
+    assert "shard 2/4 is missing" in harness.load_report(gate_dir / "partial")["problems"][0]
     assert partial.stdout.startswith("# attncheck: FAIL")
 
 
 def test_the_merge_command_refuses_to_overwrite_a_shard(pytester):
-    result = toy_spec.cli(pytester.path, "report", "merge", "a", "b", "--report", "b")
+    result = harness.cli(pytester.path, "report", "merge", "a", "b", "--report", "b")
     assert result.returncode == 2
     assert "--report b: also given as a shard" in result.stderr
 

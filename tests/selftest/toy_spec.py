@@ -4,7 +4,8 @@ backend ``xla`` only, with a few deliberately broken implementations.
 
 Load it into a gate run with ``--attncheck-spec tests.selftest.toy_spec --attncheck-only-spec``
 and swap the implementation with
-``--attncheck-impl toy_attention=tests.selftest.toy_spec:toy_attention_wrong_scale``.
+``--attncheck-impl toy_attention=tests.selftest.toy_spec:toy_attention_wrong_scale``
+(``harness`` runs such gates for the self-tests).
 
 Semantics mapped onto the oracle: logits = sm_scale * q.k, causal top-left (key j visible
 to query i iff j <= i); q and kv have the same length, so no row is ever fully masked.
@@ -35,11 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
-import pathlib
-import subprocess
-import sys
 import time
 
 import jax
@@ -47,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, cache_root, coverage, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -213,7 +210,7 @@ class ToySpec(KernelSpec[ToyParams]):
                      "chunked": "tests.selftest.toy_spec:toy_attention_chunked"}
     params_type = ToyParams
     backends = ("xla",)
-    bug_classes = coverage.bug_classes(causal=lambda p: p.causal, bf16=lambda p: p.dtype == "bfloat16")
+    bug_classes = bugclasses.bug_classes(causal=lambda p: p.causal, bf16=lambda p: p.dtype == "bfloat16")
     examples = {"xla": 4}
     # Few shapes, so that the self-tests, which run this gate often, compile little.
     fixed_parameters = {**{f"*.shape[{axis}]": "the toy family keeps batch, heads and head_dim fixed: few compiles"
@@ -287,65 +284,3 @@ def invalid_toy_calls(impl) -> list[InvalidCall]:
 
 SPEC = ToySpec()
 
-
-# ---------------------------------------------------------------------- self-test harness
-# Runs the packaged gate (attncheck.gate) on the toy family in a pytester directory, in a
-# subprocess (xdist needs one).
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SPEC_MODULE = "tests.selftest.toy_spec"
-GATE_ARGS = ("--pyargs", "attncheck.gate", "-p", "no:randomly", "--hypothesis-profile=ci",
-             f"--attncheck-spec={SPEC_MODULE}", "--attncheck-only-spec")
-# The generic gate's node ids seen from a directory outside the package.
-GATE_TEST = "test_gate.py::test_kernel_matches_oracle"
-# The cache root of every toy run (attncheck.cache_root): the second run of a shape skips
-# XLA's compile, and the toy's coverage examples are searched once.
-CACHE_ROOT = REPO_ROOT / ".attncheck_cache" / "selftest-toy"
-RUN_TIMEOUT_S = 240
-INI = """[pytest]
-timeout_method = signal
-"""
-
-
-def impl_option(name: str) -> str:
-    return f"--attncheck-impl=toy_attention={SPEC_MODULE}:{name}"
-
-
-def setup_gate_dir(pytester, monkeypatch) -> pathlib.Path:
-    """Point the environment of the runs at the repository and the toy spec."""
-    pytester.makeini(INI)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(cache_root.CACHE_ENV, str(CACHE_ROOT))
-    # The runs must not write to this job's step summary, nor think they are xdist workers.
-    for name in ("GITHUB_STEP_SUMMARY", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
-                 "PYTEST_XDIST_TESTRUNUID", CALL_LOG_ENV):
-        monkeypatch.delenv(name, raising=False)
-    return pytester.path
-
-
-def run_gate(pytester, report: str, *args: str):
-    """The gate on the toy family, in a subprocess; -n 0 unless args say otherwise."""
-    extra = () if any(a.startswith("-n") for a in args) else ("-n", "0")
-    return pytester.runpytest_subprocess(*GATE_ARGS, f"--attncheck-report={report}", *extra, *args,
-                                         timeout=RUN_TIMEOUT_S)
-
-
-def start_gate(directory: pathlib.Path, report: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-    """Like run_gate but started in the background (for concurrent runs); cwd = directory."""
-    return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *GATE_ARGS,
-                             f"--attncheck-report={report}", *args],
-                            cwd=directory, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def cli(directory: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    """``python -m attncheck ARGS`` with cwd = directory."""
-    return subprocess.run([sys.executable, "-m", "attncheck", *args], cwd=directory, capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S)
-
-
-def load_report(directory: pathlib.Path) -> dict:
-    return json.loads((directory / "report.json").read_text())
-
-
-def load_schema() -> dict:
-    return json.loads((REPO_ROOT / "attncheck" / "report" / "schema.json").read_text())

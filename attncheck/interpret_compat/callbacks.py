@@ -1,0 +1,62 @@
+"""``host_callbacks()`` (entered by ``Backend.context``): the interpreter's host callbacks
+take XLA's NumPy operands as they come, without jax's move of each onto a device and back
+(most of an interpreted kernel's run time); see ``host_callbacks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+
+from attncheck.interpret_compat.install import _installed
+
+# Modules whose io_callbacks are the interpreter's, and this package's: the ref views'
+# wrappers of the interpreter's loads and stores, the collective order's no-op tokens.
+_INTERPRETER_CALLBACK_MODULES = ("jax._src.pallas.mosaic.interpret.", f"{__package__}.")
+
+
+def _callback_module(callback) -> str:
+    func = callback.callback_func
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__module__", None) or ""
+
+
+@contextlib.contextmanager
+def host_callbacks() -> Iterator[None]:
+    """Within the block, the interpreter's io_callbacks take their operands as the NumPy
+    arrays XLA hands to a host callback; any other io_callback runs as jax runs it.
+
+    jax's ``io_callback_impl`` first moves every operand onto a CPU device as a jax array
+    (``device_put``), and the interpreter's callbacks turn each back into an int or a NumPy
+    array (``int()``, ``np.asarray``): for an interpreted kernel, made of a callback per
+    load, store, DMA and barrier, these two conversions were 55-60% of its run time
+    (py-spy on ring flash attention on 8 simulated devices: 11.1 s, 2.0 s without them).
+    The interpreter copies whatever it keeps of an operand (``np.array`` in
+    ``_allocate_buffer``, slice assignment in the stores), so an operand that is only valid
+    during the call is never kept. jax's own function also enters the CPU device and empty
+    meshes around the call; these callbacks compute in NumPy (``thread_map`` runs its jax
+    in threads of its own), so that is left out too (it cost 15% more)."""
+    from jax._src import callback as jax_callback
+    from jax._src import tree_util
+
+    def install():
+        original = jax_callback.io_callback_impl
+
+        def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+            if not _callback_module(callback).startswith(_INTERPRETER_CALLBACK_MODULES):
+                return original(*args, result_avals=result_avals, callback=callback, sharding=sharding,
+                                ordered=ordered)
+            return tree_util.tree_map(np.asarray, callback(*args))
+
+        jax_callback.io_callback_impl = io_callback_impl
+
+        def undo():
+            jax_callback.io_callback_impl = original
+        return undo
+
+    with _installed("host_callbacks", install):
+        yield

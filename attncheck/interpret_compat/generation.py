@@ -1,0 +1,86 @@
+"""``emulated_tpu(device_kind)``: the TPU generation a backend emulates (entered by the
+interpret backends' ``Backend.context`` and by ``backends.export_for_tpu``).
+
+jax has two ways of asking "which TPU is this": ``jax._src.tpu_info.get_device_kind()``
+honours ``jax.sharding.use_abstract_mesh`` (Mosaic lowering, ``tpu-lower``), but some of
+jax's bundled kernels read ``jax.devices()[0].device_kind`` directly (ragged paged
+attention's tuned block sizes: ``tuned_block_sizes.py`` ``get_tpu_version``/
+``get_device_name``), which on CPU says "cpu" and makes default block sizes raise ``TPU
+version must be 4 or higher``. Inside the block, those modules (``DEVICE_KIND_READERS``) see
+``jax.devices()`` whose devices report the emulated ``device_kind``; their own code runs
+unchanged. Nothing else in jax is touched (an abstract mesh is not entered: it would nest
+the CPU meshes of ``shard_map`` kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+
+from attncheck.interpret_compat.install import _lock
+
+# Modules of jax's bundled kernels that ask ``jax.devices()[0].device_kind`` (not the
+# abstract mesh) which TPU they run on. Absent modules are ignored.
+DEVICE_KIND_READERS = (
+    "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes",
+    "jax.experimental.pallas.ops.tpu.megablox.common",
+)
+
+
+class _EmulatedDevice:
+    """A device that reports another ``device_kind``; everything else is the real one's."""
+
+    def __init__(self, device, device_kind: str):
+        self._device = device
+        self.device_kind = device_kind
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+    def __repr__(self):
+        return f"{self._device!r} (emulating {self.device_kind})"
+
+
+class _JaxWithEmulatedDevices:
+    """Stands for the ``jax`` module inside a reader module: ``devices()`` reports the
+    emulated kind, every other attribute is jax's own."""
+
+    def __init__(self, jax_module, device_kind: str):
+        self._jax = jax_module
+        self._device_kind = device_kind
+
+    def devices(self, *args, **kwargs):
+        return [_EmulatedDevice(d, self._device_kind) for d in self._jax.devices(*args, **kwargs)]
+
+    def __getattr__(self, name):
+        return getattr(self._jax, name)
+
+
+@contextlib.contextmanager
+def emulated_tpu(device_kind: str | None) -> Iterator[None]:
+    """Within the block, jax's kernels that read ``jax.devices()[0].device_kind`` see
+    ``device_kind`` (e.g. "TPU v5 lite"). ``None``: nothing changes (native backends)."""
+    if device_kind is None:
+        yield
+        return
+    if not isinstance(device_kind, str) or "TPU" not in device_kind:
+        raise ValueError(f"emulated_tpu: device_kind must name a TPU (e.g. 'TPU v5 lite'), got {device_kind!r}")
+    import jax
+
+    saved = []
+    with _lock:
+        for name in DEVICE_KIND_READERS:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if hasattr(module, "jax"):
+                saved.append((module, module.jax))
+                module.jax = _JaxWithEmulatedDevices(jax, device_kind)
+    try:
+        yield
+    finally:
+        with _lock:
+            for module, original in reversed(saved):
+                module.jax = original
