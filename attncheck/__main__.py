@@ -32,6 +32,11 @@ def _read_report(report_dir: pathlib.Path) -> dict:
                            f"{report_dir}` merges it again from its records") from None
     if not isinstance(report, dict) or not isinstance(report.get("records"), list):
         raise CommandError(f"{path} is not an attncheck report (no records list)")
+    from attncheck.report.records import SCHEMA_VERSION
+
+    if report.get("schema_version") != SCHEMA_VERSION:
+        raise CommandError(f"{path} has schema_version {report.get('schema_version')!r}; this attncheck reads "
+                           f"{SCHEMA_VERSION}: run the gate again with this version")
     return report
 
 

@@ -70,6 +70,7 @@ class Comparison:
     cosine: float
     yardstick_err: float
     yardstick_ulps: float  # yardstick error in ulps of the dtype at the oracle's magnitude
+    yardstick_spread: float  # largest difference between the yardstick's summation orders (0 with one)
     r: float
     a: float
     allowed: float
@@ -142,6 +143,10 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
         yf = y[care][both_finite]
         finite = np.isfinite(yf)
         yardstick_err = max(yardstick_err, float(np.max(np.abs(yf[finite] - of[finite]), initial=0.0)))
+    spread = 0.0
+    for y in yardsticks[1:]:
+        difference = np.abs(y[care] - yardsticks[0][care])
+        spread = max(spread, float(np.max(difference[np.isfinite(difference)], initial=0.0)))
     allowed = r * yardstick_err + a
     max_abs = float(np.max(abs_err, initial=0.0))
     rel_denominator = np.maximum(np.abs(of), dtype_eps(dtype) * max(scale, dtype_tiny(dtype)))
@@ -172,6 +177,7 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
         mean_abs=float(np.mean(abs_err)) if abs_err.size else 0.0,
         ulp_p50=float(np.percentile(ulps, 50)), ulp_p99=float(np.percentile(ulps, 99)),
         ulp_max=float(np.max(ulps)), cosine=cosine, yardstick_err=yardstick_err,
-        yardstick_ulps=yardstick_err / float(ulp_of(np.array(scale), dtype)) if scale > 0 else 0.0, r=r, a=a,
+        yardstick_ulps=yardstick_err / float(ulp_of(np.array(scale), dtype)) if scale > 0 else 0.0,
+        yardstick_spread=spread, r=r, a=a,
         allowed=allowed, budget=float(budget), worst_index=worst_index,
         worst_kernel=worst_kernel, worst_oracle=worst_oracle, compared=int(care.sum()))

@@ -28,8 +28,8 @@ from attncheck.numerics import Comparison
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.policy import Policy
 
-# 4: reports name the platform and profile their numbers belong to; a shard carries its run's policy.
-SCHEMA_VERSION = 4
+# 5: a comparison's metrics carry the spread between the yardstick's summation orders.
+SCHEMA_VERSION = 5
 RECORDS_DIR = "records"
 RECORDS_SUFFIX = ".jsonl"
 STARTED_SUFFIX = ".started"

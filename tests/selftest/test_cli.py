@@ -134,6 +134,8 @@ def test_the_old_option_and_command_names_still_work_with_a_deprecation_message(
 @pytest.mark.parametrize("args, message", [
     (("repro", "toy_attention-000000000000", "--report", "missing"), "missing/report.json does not exist"),
     (("repro", "toy_attention-000000000000", "--report", "truncated"), "is not a readable report"),
+    (("repro", "toy_attention-000000000000", "--report", "older"), "older/report.json has schema_version 4; "
+                                                                    "this attncheck reads"),
     (("report", "--report", "missing"), "no run recorded under missing/records"),
     (("budgets", "accept", "--report", "missing"), "missing/report.json does not exist"),
     (("durations", "update", "--report", "missing"), "missing/durations.json does not exist"),
@@ -142,6 +144,8 @@ def test_the_old_option_and_command_names_still_work_with_a_deprecation_message(
 def test_every_bad_input_of_the_cli_is_one_clear_line(gate_dir, args, message):
     (gate_dir / "truncated").mkdir()
     (gate_dir / "truncated" / "report.json").write_text('{"records": [')
+    (gate_dir / "older").mkdir()  # a report an earlier attncheck wrote: its records have other fields
+    (gate_dir / "older" / "report.json").write_text('{"schema_version": 4, "records": []}')
     proc = harness.cli(gate_dir, *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

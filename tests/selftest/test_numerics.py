@@ -89,3 +89,37 @@ def _next_bf16(x):
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="shapes differ"):
         numerics.compare(np.zeros(3), np.zeros(4), np.zeros(4), dtype=np.float32, direction="out")
+
+
+# ------------------------------------------------------------------ the yardstick's own check
+def _judged(oracle, *yardsticks, kernel=None):
+    from attncheck import check
+    from attncheck.report.records import CaseRun
+
+    base = CaseRun(case_id="c", case={}, kernel="k", impl="i", impl_ref="m:f", backend="xla", backend_settings={},
+                   dtype="float32", seq_len=8, device_count=1, classes=(), repro="")
+    got = np.float32(yardsticks[0] if kernel is None else kernel)
+    return check.judge(base, "dq", got, oracle, tuple(yardsticks),
+                       dtype=np.float32, care=None, timings={})
+
+
+def test_a_yardstick_far_from_the_oracle_in_every_summation_order_is_refused():
+    """A wrong mapping: the same wrong gradient whichever order the yardstick sums in."""
+    rng = np.random.default_rng(0)
+    oracle = rng.standard_normal((4, 8))
+    wrong = oracle * 1.5
+    record = _judged(oracle, wrong, wrong + 1e-7 * rng.standard_normal(oracle.shape))
+    assert record.outcome == "error" and "the spec's mapping or the yardstick is wrong" in record.reason
+
+
+def test_a_gradient_that_cancels_to_zero_is_judged_on_its_rounding():
+    """dq of a saturated softmax: about 3e-16 in float64, all rounding in float32, whose two
+    summation orders disagree about as much as either is from the oracle (measured on a ring
+    case: 1.4e-5 and 9.5e-6 from the oracle, 1.1e-5 apart)."""
+    rng = np.random.default_rng(1)
+    oracle = 3e-16 * rng.standard_normal((4, 8))
+    one, other = (oracle + 1e-5 * rng.standard_normal(oracle.shape) for _ in range(2))
+    record = _judged(oracle, one, other, kernel=oracle + 1e-5 * rng.standard_normal(oracle.shape))
+    assert record.outcome == "pass", record.reason
+    # One summation order alone cannot tell rounding from a wrong mapping: refused.
+    assert _judged(oracle, one, one).outcome == "error"
