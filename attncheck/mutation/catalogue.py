@@ -519,7 +519,7 @@ PAGED_MUTANTS = [
 DPA = "kernels/dot_product_attention.py"
 DPA_MUTANTS = [
     Mutant("dpa-bias-times-scale", "dot_product_attention", DPA,
-           find="bias.astype(jnp.float32) / scale", replace="bias.astype(jnp.float32) * scale",
+           find="bias.astype(jnp.float32) / sm_scale", replace="bias.astype(jnp.float32) * sm_scale",
            description="bias converted to the kernel's (q.k + ab) * scale with * instead of /",
            bug_class="scale_bias_order_swapped"),
     Mutant("dpa-window-right-side-ignored", "dot_product_attention", DPA,
