@@ -110,6 +110,15 @@ def _nonfinite_mismatch(kernel: np.ndarray, oracle: np.ndarray, care: np.ndarray
     return None
 
 
+def distance(values, oracle: np.ndarray, where=None) -> float:
+    """max |values - oracle| over the elements ``where`` says (all with None) at which both
+    are finite; 0 where there are none."""
+    values, oracle = np.asarray(values, dtype=np.float64), np.asarray(oracle, dtype=np.float64)
+    where = np.ones(oracle.shape, dtype=bool) if where is None else np.broadcast_to(np.asarray(where, bool), oracle.shape)
+    difference = np.abs(values[where] - oracle[where])
+    return float(np.max(difference[np.isfinite(difference)], initial=0.0))
+
+
 def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> Comparison:
     """Judge `kernel` (any float dtype) against `oracle` (float64) using the `yardstick`.
 
@@ -138,11 +147,9 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
     both_finite = np.isfinite(k) & np.isfinite(o)
     kf, of = k[both_finite], o[both_finite]
     abs_err = np.abs(kf - of)
-    yardstick_err = 0.0
-    for y in yardsticks:
-        yf = y[care][both_finite]
-        finite = np.isfinite(yf)
-        yardstick_err = max(yardstick_err, float(np.max(np.abs(yf[finite] - of[finite]), initial=0.0)))
+    judged = np.zeros(oracle.shape, dtype=bool)
+    judged[care] = both_finite
+    yardstick_err = max(distance(y, oracle, judged) for y in yardsticks)
     spread = 0.0
     for y in yardsticks[1:]:
         difference = np.abs(y[care] - yardsticks[0][care])

@@ -61,6 +61,35 @@ def _reversing() -> bool:
     return getattr(_ORDER, "reversed", False)
 
 
+@contextlib.contextmanager
+def exact():
+    """Every yardstick computed inside computes its arithmetic in float64 (the spec's own
+    mapping unchanged): what is left of its distance to the oracle is not rounding. A
+    yardstick far from the oracle is trusted only when this one is close to it."""
+    previous = getattr(_ORDER, "exact", False)
+    _ORDER.exact = True
+    try:
+        with jax.enable_x64(True):
+            yield
+    finally:
+        _ORDER.exact = previous
+
+
+def _in_working_precision(*arrays):
+    """The arrays as the yardstick computes with them: as given, or as float64 inside
+    ``exact()`` (None stays None; a boolean mask stays boolean)."""
+    if not getattr(_ORDER, "exact", False):
+        return arrays
+    return tuple(None if x is None or np.asarray(x).dtype == bool else np.asarray(x, dtype=np.float64)
+                 for x in arrays)
+
+
+def _accumulator(x):
+    """float32 for float32 and narrower inputs (what a careful user accumulates in), else
+    the input's own wider dtype (``exact()``)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def _flip(x, *axes):
     """x with these axes reversed (None stays None): an involution, so it also restores."""
     return None if x is None else np.flip(np.asarray(x), axis=axes)
@@ -93,9 +122,9 @@ def _softmax_times_v_fwd(s, v, multiplier, seq_major):
     p = p_raw * multiplier
     if seq_major:
         out = jnp.einsum("bqhk,bkhd->bqhd", p.astype(v.dtype).swapaxes(1, 2), v.swapaxes(1, 2),
-                         preferred_element_type=jnp.float32).swapaxes(1, 2)
+                         preferred_element_type=_accumulator(v)).swapaxes(1, 2)
     else:
-        out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=_accumulator(v))
     return out, (s, jax.nn.logsumexp(s, axis=-1, keepdims=True), v, multiplier, out.astype(v.dtype))
 
 
@@ -108,11 +137,12 @@ def _softmax_times_v_bwd(seq_major, residuals, d_out):
     row_max = jnp.max(s, axis=-1, keepdims=True)
     at_max = s == row_max
     p_raw = jnp.where(row_max <= _MASKED_LOGIT, at_max / jnp.sum(at_max, axis=-1, keepdims=True), jnp.exp(s - lse))
-    d_out = d_out.astype(jnp.float32)
+    acc = _accumulator(v)
+    d_out = d_out.astype(acc)
     dv = jnp.einsum("bhqk,bhqd->bhkd", (p_raw * multiplier).astype(v.dtype), d_out.astype(v.dtype),
-                    preferred_element_type=jnp.float32).astype(v.dtype)
-    dp = jnp.einsum("bhqd,bhkd->bhqk", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1, keepdims=True)
+                    preferred_element_type=acc).astype(v.dtype)
+    dp = jnp.einsum("bhqd,bhkd->bhqk", d_out.astype(v.dtype), v, preferred_element_type=acc)
+    delta = jnp.sum(d_out * out.astype(acc), axis=-1, keepdims=True)
     # With weights W = P*M: dS = P * (M*dP - rowsum(dO*O)), since rowsum(W*dP) = dO.O.
     return p_raw * (multiplier * dp - delta), dv, jnp.zeros_like(multiplier)
 
@@ -128,23 +158,24 @@ def _attention(q, k, v, ab, bias, visible, multiplier=None, fallback=None, *, sc
     group = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
     v = jnp.repeat(v, group, axis=1)
+    acc = _accumulator(q)
     if seq_major:
         s = jnp.einsum("bqhd,bkhd->bqhk", q.swapaxes(1, 2), k.swapaxes(1, 2),
-                       preferred_element_type=jnp.float32).swapaxes(1, 2)
+                       preferred_element_type=acc).swapaxes(1, 2)
     else:
-        s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=acc)
     if ab is not None:  # bias added before the scale (flash's (q.k + ab) * scale)
-        s = s + ab.astype(jnp.float32)
+        s = s + ab.astype(acc)
     s = s * scale
     if bias is not None:
-        s = s + bias.astype(jnp.float32)
+        s = s + bias.astype(acc)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     # A fallback key's logit is replaced as a kernel does with its mask value (s + mask
     # value rounds to it in float32) while its derivative still flows through s.
     hidden = _MASKED_LOGIT if fallback is None else jnp.where(fallback, s + _MASKED_LOGIT, _HIDDEN_LOGIT)
     s = jnp.where(visible, s, hidden)
-    out = _softmax_times_v(s, v, jnp.float32(1.0) if multiplier is None else multiplier, seq_major)
+    out = _softmax_times_v(s, v, jnp.ones((), acc) if multiplier is None else multiplier.astype(acc), seq_major)
     if masked_rows == "zero":
         seen = visible if fallback is None else visible | fallback
         out = jnp.where(jnp.any(seen, axis=-1)[..., None], out, 0.0)
@@ -154,6 +185,7 @@ def _attention(q, k, v, ab, bias, visible, multiplier=None, fallback=None, *, sc
 def attention(q, k, v, *, scale, ab=None, bias=None, visible=None, soft_cap=None,
               masked_rows="mean_of_v") -> np.ndarray:
     """Yardstick forward output only."""
+    q, k, v, ab, bias = _in_working_precision(q, k, v, ab, bias)
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     flip = _reversing()
@@ -167,6 +199,7 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
                          masked_rows="mean_of_v", seq_major=False, dropout_multiplier=None) -> dict[str, np.ndarray]:
     """Yardstick output and gradients ("out", "dq", "dk", "dv", and "dab"/"dbias" if given);
     ``fallback``: the keys a row with no visible key averages (the oracle's fallback)."""
+    q, k, v, d_out, ab, bias, dropout_multiplier = _in_working_precision(q, k, v, d_out, ab, bias, dropout_multiplier)
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     names = ["dq", "dk", "dv"] + (["dab"] if ab is not None else []) + (["dbias"] if bias is not None else [])

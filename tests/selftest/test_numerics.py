@@ -92,7 +92,7 @@ def test_shape_mismatch_is_an_error():
 
 
 # ------------------------------------------------------------------ the yardstick's own check
-def _judged(oracle, *yardsticks, kernel=None):
+def _judged(oracle, *yardsticks, kernel=None, exact=None):
     from attncheck import check
     from attncheck.report.records import CaseRun
 
@@ -100,26 +100,59 @@ def _judged(oracle, *yardsticks, kernel=None):
                    dtype="float32", seq_len=8, device_count=1, classes=(), repro="")
     got = np.float32(yardsticks[0] if kernel is None else kernel)
     return check.judge(base, "dq", got, oracle, tuple(yardsticks),
-                       dtype=np.float32, care=None, timings={})
+                       dtype=np.float32, care=None, timings={}, exact=exact)
 
 
-def test_a_yardstick_far_from_the_oracle_in_every_summation_order_is_refused():
-    """A wrong mapping: the same wrong gradient whichever order the yardstick sums in."""
+def test_a_yardstick_as_wrong_in_float64_is_refused():
+    """A wrong mapping: the same wrong gradient in any precision and summation order."""
     rng = np.random.default_rng(0)
     oracle = rng.standard_normal((4, 8))
     wrong = oracle * 1.5
-    record = _judged(oracle, wrong, wrong + 1e-7 * rng.standard_normal(oracle.shape))
+    record = _judged(oracle, wrong, wrong + 1e-7 * rng.standard_normal(oracle.shape), exact=lambda: wrong)
     assert record.outcome == "error" and "the spec's mapping or the yardstick is wrong" in record.reason
+    assert f"computed in float64 it is still {np.max(np.abs(oracle / 2)):.3g} from it" in record.reason
 
 
 def test_a_gradient_that_cancels_to_zero_is_judged_on_its_rounding():
-    """dq of a saturated softmax: about 3e-16 in float64, all rounding in float32, whose two
-    summation orders disagree about as much as either is from the oracle (measured on a ring
-    case: 1.4e-5 and 9.5e-6 from the oracle, 1.1e-5 apart)."""
+    """dq of a saturated softmax: about 3e-16 in float64, all rounding in float32 (measured
+    on a ring case: 1.4e-5 from the oracle, 5e17 ulps at its own magnitude); the same
+    yardstick in float64 lands on the oracle."""
     rng = np.random.default_rng(1)
     oracle = 3e-16 * rng.standard_normal((4, 8))
-    one, other = (oracle + 1e-5 * rng.standard_normal(oracle.shape) for _ in range(2))
-    record = _judged(oracle, one, other, kernel=oracle + 1e-5 * rng.standard_normal(oracle.shape))
+    rounded = oracle + 1e-5 * rng.standard_normal(oracle.shape)
+    kernel = oracle + 1e-5 * rng.standard_normal(oracle.shape)
+    record = _judged(oracle, rounded, kernel=kernel, exact=lambda: oracle + 1e-20)
     assert record.outcome == "pass", record.reason
-    # One summation order alone cannot tell rounding from a wrong mapping: refused.
-    assert _judged(oracle, one, one).outcome == "error"
+    # A float64 yardstick that keeps more than 1/8 of the distance does not explain it...
+    assert _judged(oracle, rounded, kernel=kernel, exact=lambda: rounded / 4).outcome == "error"
+    # ...nor does one that was not computed, or could not be.
+    assert "not computed in float64" in _judged(oracle, rounded, kernel=kernel).reason
+
+    def broken():
+        raise TypeError("float64 not supported")
+
+    assert "computing it in float64 failed: TypeError" in _judged(oracle, rounded, kernel=kernel, exact=broken).reason
+
+
+def test_the_yardstick_in_float64_is_the_oracle_where_bfloat16_cancels():
+    """A bfloat16 ring case of large values (dropout, a bias with -inf rows) whose dk
+    cancels: the working yardstick is 7489 ulps from the oracle in a sum too short for its
+    summation orders to differ; computed in float64 it is the oracle up to float64 rounding."""
+    from attncheck import specs, yardstick
+
+    spec = specs.all_specs()["ring_attention"]
+    case = spec.case(1382987043, dtype="bfloat16", devices=1, seq_len=8, per_device=8, heads=2, head_dim=16,
+                     causal=True, bias="neg_inf_rows", segments="absent", segment_starts=(0, 3), float32_logits=True,
+                     values="large", batch=2, sm_scale=0.3, placement="mesh", check_vma=False,
+                     segment_dtype="int16", query_chunk_size=8, key_chunk_size=8, dropout_rate=0.25)
+    inputs = spec.inputs(case)
+    truth = spec.oracle(case, inputs)
+    working = spec.yardstick(case, inputs)
+    dk = numerics.compare(truth["dk"], truth["dk"], working["dk"], dtype=np.dtype("bfloat16"), direction="dk")
+    assert dk.yardstick_ulps > 4096
+    with yardstick.exact():
+        exact = spec.yardstick(case, inputs)
+    for direction, value in exact.items():
+        assert value.dtype == np.float64, direction
+        assert numerics.distance(value, truth[direction]) <= 1e-9 * numerics.distance(working[direction],
+                                                                                     truth[direction]), direction
