@@ -70,8 +70,8 @@ FINDINGS = (
             "q_seq_shards > 1: make_splash_mha raises \"need at least one array to concatenate\"",
             "experimental/pallas/ops/tpu/splash_attention/splash_attention_mask_info.py 929-939",
             "bug_class:q_seq_shards_without_partial_blocks"),
-    Finding("splash_q_seq_shard_without_keys", "splash_attention", _SPLASH, "q_seq_shards > 1 with a q shard "
-            "that sees no key: make_splash_mha stops at a bare assert",
+    Finding("splash_q_seq_shard_without_keys", "splash_attention", _SPLASH, "a q shard that sees no key "
+            "(q_seq_shards > 1, or one shard under a mask hiding every key): make_splash_mha stops at a bare assert",
             "experimental/pallas/ops/tpu/splash_attention/splash_attention_mask_info.py 863-873",
             "bug_class:q_seq_shard_without_keys"),
     Finding("paged_inline_false_empty_sequence", "paged_attention", _PAGED, "with inline_seq_dim=False the output "

@@ -432,11 +432,11 @@ def _nan_backward(case, inputs) -> dict[str, np.ndarray]:
     return {"dq": _forward_nan_rows(case.params)[..., None], "dk": np.bool_(True), "dv": np.bool_(True)}
 
 
-def _sharded_grid_occupancies(p: SplashParams) -> list[np.ndarray]:
+def _shrunk_grid_occupancies(p: SplashParams) -> list[np.ndarray]:
     """The block occupancy of each pass whose grid make_splash_mha shrinks per q sequence
-    shard: with q_seq_shards > 1 and one mask for every head, the forward and dq passes and
-    the unfused dkv pass; none otherwise."""
-    if p.q_seq_shards == 1 or len(set(p.masks)) != 1:
+    shard (the whole q range is one): with one mask for every head, the forward and dq
+    passes and the unfused dkv pass; none otherwise."""
+    if len(set(p.masks)) != 1:
         return []
     mask = head_masks(p)[0]
     return [occupancy(mask, *blocks) for name, blocks in pass_blocks(p).items() if name != "dkv" or not p.fused_bwd]
@@ -446,19 +446,20 @@ def q_seq_shards_without_partial_blocks(p: SplashParams) -> bool:
     """Kernel finding (jax 0.12.0.1): one mask for every head with no partial block at a
     pass's block size (a FullMask), and q_seq_shards > 1: make_splash_mha fails in its mask
     processing (``np.concatenate`` of no mask_next shards: "need at least one array to
-    concatenate") when it shrinks the grid (``_sharded_grid_occupancies``). A bug class
-    whose deviation jax's kernel declares (the family's expectations)."""
-    return any(not (blocks == 1).any() for blocks in _sharded_grid_occupancies(p))
+    concatenate") when it joins the shards of its shrunk grid (``_shrunk_grid_occupancies``).
+    A bug class whose deviation jax's kernel declares (the family's expectations)."""
+    return p.q_seq_shards > 1 and any(not (blocks == 1).any() for blocks in _shrunk_grid_occupancies(p))
 
 
 def q_seq_shard_without_keys(p: SplashParams) -> bool:
-    """Kernel finding (jax 0.12.0.1): one mask for every head, q_seq_shards > 1, and a q
-    shard none of whose queries sees a key at a pass's block size (bottom-right causal with
-    q_len > kv_len): make_splash_mha's mask processing shrinks that shard's block mask to
-    nothing and stops at a bare ``assert current_block_mask.size > 0``. A bug class whose
-    deviation jax's kernel declares (the family's expectations)."""
+    """Kernel finding (jax 0.12.0.1): one mask for every head and a q shard none of whose
+    queries sees a key at a pass's block size (bottom-right causal with q_len > kv_len and
+    q_seq_shards > 1; with one shard, a mask that hides every key, as the nightly drew:
+    causal(-128) & local(32, 16) on 256 x 128): make_splash_mha's mask processing shrinks
+    that shard's block mask to nothing and stops at a bare ``assert current_block_mask.size
+    > 0``. A bug class whose deviation jax's kernel declares (the family's expectations)."""
     return any((blocks.reshape(p.q_seq_shards, -1) == 0).all(axis=-1).any()
-               for blocks in _sharded_grid_occupancies(p))
+               for blocks in _shrunk_grid_occupancies(p))
 
 
 def bwd_blocks_differ(p: SplashParams) -> bool:
@@ -546,8 +547,8 @@ class SplashSpec(KernelSpec[SplashParams]):
         Shipped("builtin", BUG_CLASS, "q_seq_shards_without_partial_blocks", "one mask for every head with no "
                 "partial block and q_seq_shards > 1: make_splash_mha fails in its mask processing (\"need at least "
                 "one array to concatenate\"; attncheck finding splash_q_seq_shards_full_mask)"),
-        Shipped("builtin", BUG_CLASS, "q_seq_shard_without_keys", "one mask for every head, q_seq_shards > 1 and a q "
-                "shard that sees no key: make_splash_mha stops at a bare assertion in its mask processing "
+        Shipped("builtin", BUG_CLASS, "q_seq_shard_without_keys", "one mask for every head and a q shard that "
+                "sees no key (q_seq_shards > 1, or a mask hiding every key): make_splash_mha stops at a bare assertion in its mask processing "
                 "(attncheck finding splash_q_seq_shard_without_keys)"),
         Shipped("builtin", INVALID_CALL, "kv_longer_than_mask", "a kernel built for a [H, 256, 256] mask, called with "
                 "kv_len 512, returns attention over the first 256 keys (no error, on TPU or in interpret mode; "

@@ -147,6 +147,30 @@ def test_the_declared_crash_is_one_mask_without_partial_blocks_over_q_shards(mas
     assert splash.q_seq_shards_without_partial_blocks(p) is crashes
 
 
+HIDES_EVERY_KEY = ("and", ("causal", -128), ("local", 32, 16, 0))  # drawn by the nightly profile
+
+
+@pytest.mark.parametrize("masks, q_seq_shards, crashes", [
+    ((("causal", -128),) * 2, 2, True),  # q shard 0 (queries 0..127) sees no key
+    ((("causal", -128),) * 2, 1, False),  # the one shard sees keys
+    ((HIDES_EVERY_KEY,) * 2, 1, True),  # the one shard sees none
+    ((HIDES_EVERY_KEY, ("full",)), 1, False),  # a mask per head: the grid is not shrunk
+])
+def test_the_declared_keyless_shard_crash_is_make_splash_mhas(masks, q_seq_shards, crashes):
+    """The class predicts exactly when jax's mask processing stops at its bare assertion
+    (the kernel is built only: make_splash_mha's host code, no run)."""
+    p = params(q_len=256, kv_len=128, masks=masks, q_seq_shards=q_seq_shards)
+    assert splash.q_seq_shard_without_keys(p) is crashes
+    mask = kernel_module.mask_lib.MultiHeadMask([splash.build(kernel_module.mask_lib, d, (256, 128)) for d in masks])
+    build = lambda: kernel_module.make_splash_mha(mask, block_sizes=kernel_module.BlockSizes(**p.block_sizes),  # noqa: E731
+                                                  head_shards=1, q_seq_shards=q_seq_shards)
+    if crashes:
+        with pytest.raises(AssertionError):
+            build()
+    else:
+        build()
+
+
 def test_a_sharded_kernel_lowers_for_tpu():
     """The shard_map of a sharded case runs over an abstract mesh of emulated TPUs for
     tpu-lower: over the CPU devices, Mosaic's lowering asked their kind and failed
