@@ -131,7 +131,6 @@ class GateRun:
         self.durations = self._load_durations()
         self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)
         self.test_outcomes: dict[str, list[str]] = collections.defaultdict(list)  # target -> outcomes
-        self.invalid_calls: dict[str, model.InvalidCallOutcome] = {}  # nodeid -> what the call did
         self.collected: set[str] = set()
         self.lock = None
         if not self.is_worker:
@@ -214,7 +213,7 @@ class GateRun:
             (self.report_dir / stale).unlink(missing_ok=True)
         rec.RunInfo(self.run_id, self.started, tuple(self.config.invocation_params.args),
                     None if self.shard is None else str(self.shard), self.policy, self.platform,
-                    self.profile).write(self.report_dir)
+                    self.profile, tuple(selection.skipped_backends(self.options))).write(self.report_dir)
         config = self.config
         # xdist's default hands each worker a quarter of its share up front, which undoes the
         # longest-first order; one test at a time keeps it.
@@ -320,7 +319,8 @@ class GateRun:
             self.test_outcomes[test.target_id].append(f"{report.outcome}{': ' + reason if reason else ''}")
         invalid = selection.invalid_test_of_nodeid(self.options, report.nodeid)
         if invalid is not None and invalid.call is not None and (report.when == "call" or report.outcome != "passed"):
-            self.invalid_calls[report.nodeid] = self._invalid_call_outcome(invalid, report)
+            rec.record_invalid_call(self.report_dir, self.run_id, report.nodeid,
+                                    dataclasses.asdict(self._invalid_call_outcome(invalid, report)))
 
     @staticmethod
     def _invalid_call_outcome(test: selection.InvalidInputTest, report) -> model.InvalidCallOutcome:
@@ -471,9 +471,7 @@ class GateRun:
             complete=not interrupted, wall_s=time.time() - self.started, failed_tests=self._failed_tests(),
             asked={target: model.describe_tests(outcomes) for target, outcomes in asked.items()},
             unavailable=tuple(selection.unavailable_requests(self.options)),
-            skipped_backends=tuple(model.SkippedBackend(*s) for s in selection.skipped_backends(self.options)),
-            session_problems=tuple(self._session_problems(session, exitstatus)),
-            invalid_calls=tuple(self.invalid_calls[k] for k in sorted(self.invalid_calls)))
+            session_problems=tuple(self._session_problems(session, exitstatus)))
         shard = None if self.shard is None else model.ShardInfo(
             self.shard.index, self.shard.count, tests=len(self.collected), **self._collection(),
             asked={target: dict(outcomes) for target, outcomes in asked.items()}, unavailable=outcome.unavailable,

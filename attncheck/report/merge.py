@@ -11,11 +11,11 @@ import pathlib
 from collections.abc import Mapping
 
 from attncheck import accepted, parameters
-from attncheck.report import coverage_table
-from attncheck.mutation import runner
-from attncheck.report import records as rec
 from attncheck.env import Platform
 from attncheck.expectations import STALE
+from attncheck.mutation import runner
+from attncheck.report import coverage_table
+from attncheck.report import records as rec
 from attncheck.report.model import (FAIL, INCOMPLETE, DeviationStatus, InvalidCallOutcome, Report, ShardInfo,
                                     SkippedBackend, build, describe_tests, deviation_statuses, parameter_table,
                                     summarize, unprobed, unverified_targets)
@@ -37,9 +37,7 @@ class RunOutcome:
     # it died before collecting).
     asked: Mapping[str, str] | None = None
     unavailable: tuple[str, ...] = ()  # backends asked for by name that cannot run here
-    skipped_backends: tuple[SkippedBackend, ...] = ()
     session_problems: tuple[str, ...] = ()  # e.g. pytest's exit status
-    invalid_calls: tuple[InvalidCallOutcome, ...] = ()  # what each invalid-input test did
 
 
 def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Policy | None = None, *,
@@ -53,6 +51,8 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Pol
     info = rec.RunInfo.read(directory, run_id)
     policy = policy or (info.policy if info is not None and info.policy is not None else Policy())
     platform, profile = (None, None) if info is None else (info.platform, info.profile)
+    skipped_backends = [] if info is None else [SkippedBackend(*s) for s in info.skipped_backends]
+    invalid_calls = [InvalidCallOutcome(**c) for c in rec.invalid_calls(directory, run_id)]
     records, problems = rec.read_records(directory, run_id)
     started, marker_problems = rec.read_started(directory, run_id)
     problems += marker_problems
@@ -68,17 +68,16 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Pol
                  for nodeid, reason in sorted(outcome.failed_tests.items()) if nodeid not in failing_tests]
     regressions, differences, deviations = None, [], []
     if shard is None:
-        holes, regressions, differences, deviations = _judge_whole_run(records, list(outcome.invalid_calls), policy,
-                                                                       platform, profile)
+        holes, regressions, differences, deviations = _judge_whole_run(records, invalid_calls, policy, platform,
+                                                                       profile)
         problems += holes
     unverified = list(outcome.unavailable)
     if outcome.asked is not None:
         unverified += unverified_targets(records, outcome.asked)
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
-                 unverified=unverified, skipped_backends=list(outcome.skipped_backends), policy=policy,
+                 unverified=unverified, skipped_backends=skipped_backends, policy=policy,
                  regressions=regressions, budget_differences=differences, mutation=_read_json(directory / MUTATION_FILE),
-                 shard=shard, platform=platform, profile=profile, deviations=deviations,
-                 invalid_calls=list(outcome.invalid_calls))
+                 shard=shard, platform=platform, profile=profile, deviations=deviations, invalid_calls=invalid_calls)
 
 
 def _judge_whole_run(records: list[rec.Record], invalid_calls: list[InvalidCallOutcome], policy: Policy,

@@ -50,6 +50,7 @@ STDERR_SUFFIX = ".stderr"
 TIMED_OUT = "Timed out"
 # The run's own description, written when it starts (``RunInfo``).
 RUN_SUFFIX = ".run.json"
+INVALID_CALLS_SUFFIX = ".invalid_calls"  # JSON lines, like a worker's records
 # A shard's whole collection (``Collection``).
 COLLECTION_SUFFIX = ".collection.json"
 OUTCOMES = ("pass", "fail", "error")
@@ -271,13 +272,15 @@ class RunInfo:
     policy: Policy | None = None  # None: a run that did not say (its merge judges with the defaults)
     platform: Platform | None = None
     profile: str | None = None
+    skipped_backends: tuple[tuple[str, str], ...] = ()  # (backend, why it does not run)
 
     def write(self, report_dir: pathlib.Path) -> None:
         path = pathlib.Path(report_dir) / RECORDS_DIR / f"{self.run_id}{RUN_SUFFIX}"
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"run_id": self.run_id, "started": self.started, "args": list(self.args), "shard": self.shard,
                 "policy": None if self.policy is None else self.policy.to_json(),
-                "platform": None if self.platform is None else self.platform.to_json(), "profile": self.profile}
+                "platform": None if self.platform is None else self.platform.to_json(), "profile": self.profile,
+                "skipped_backends": [list(s) for s in self.skipped_backends]}
         path.write_text(json.dumps(data))
 
     @classmethod
@@ -287,9 +290,34 @@ class RunInfo:
             return cls(data["run_id"], float(data["started"]), tuple(data.get("args", ())), data.get("shard"),
                        None if data.get("policy") is None else Policy.from_json(data["policy"]),
                        None if data.get("platform") is None else Platform.from_json(data["platform"]),
-                       data.get("profile"))
+                       data.get("profile"), tuple((str(b), str(r)) for b, r in data.get("skipped_backends", ())))
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+
+def record_invalid_call(report_dir: pathlib.Path, run_id: str, nodeid: str, outcome: Mapping[str, Any]) -> None:
+    """Append what one invalid-input test did, as the run goes: a run merged after it died
+    still knows (``invalid_calls``)."""
+    path = pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}{INVALID_CALLS_SUFFIX}"
+    with path.open("a") as f:
+        f.write(json.dumps({"nodeid": nodeid, **outcome}) + "\n")
+
+
+def invalid_calls(report_dir: pathlib.Path, run_id: str) -> list[dict[str, Any]]:
+    """What each invalid-input test of the run did (its last report), by node id."""
+    path = pathlib.Path(report_dir) / RECORDS_DIR / f"{run_id}{INVALID_CALLS_SUFFIX}"
+    last: dict[str, dict[str, Any]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a run that died while writing it
+        last[data.pop("nodeid")] = data
+    return [last[nodeid] for nodeid in sorted(last)]
 
 
 def run_ids(report_dir: pathlib.Path) -> list[str]:

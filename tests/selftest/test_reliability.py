@@ -8,6 +8,7 @@ records of the cases that ran before the misbehaviour.
 
 from __future__ import annotations
 
+import pathlib
 import re
 import signal
 import time
@@ -208,6 +209,25 @@ def test_a_crashed_worker_names_the_case_and_keeps_the_earlier_records(gate_dir,
     assert (f"its native stderr ended: {chaos.NATIVE_LAST_WORDS}" in lost[0]["reason"]) is (name == "abort_process")
     result.stdout.fnmatch_lines(
         [f"LOST CASE: {lost[0]['case_id']} (user, {lost[0]['backend']}): case started but never finished: worker*"])
+
+
+def _sections(report_md: pathlib.Path) -> list[str]:
+    return [line for line in report_md.read_text().splitlines() if line.startswith("## ")]
+
+
+def test_a_run_merged_again_from_its_records_has_the_report_it_wrote(gate_dir, pytester):
+    """`attncheck report --run` judges by the policy the run wrote when it started (coverage
+    required, contracts, declared deviations): the same sections and verdict as the run's
+    own report."""
+    result = harness.run_gate(pytester, "rep", "--attncheck-require-coverage")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    own, report = _sections(gate_dir / "rep" / "report.md"), harness.load_report(gate_dir / "rep")
+    assert {"## Backends not run", "## Coverage of bug classes (cases / failures)"} <= set(own), own
+    proc = harness.cli(gate_dir, "report", "--report", "rep", "--run", report["run_id"], "--complete")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = harness.load_report(gate_dir / "rep")
+    assert _sections(gate_dir / "rep" / "report.md") == own
+    assert (merged["verdict"], merged["coverage"]) == (report["verdict"], report["coverage"])
 
 
 def test_a_process_that_dies_leaves_incomplete_not_the_previous_pass_and_can_be_merged(gate_dir, pytester):

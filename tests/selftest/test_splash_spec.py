@@ -5,12 +5,15 @@ per-head yardstick mask, and a kernel factory that is a functools.partial."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_module
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as kernel_module,
+)
 
 from attncheck import check, oracle, yardstick
 from attncheck.backends import BACKENDS
@@ -162,8 +165,8 @@ def test_the_declared_keyless_shard_crash_is_make_splash_mhas(masks, q_seq_shard
     p = params(q_len=256, kv_len=128, masks=masks, q_seq_shards=q_seq_shards)
     assert splash.q_seq_shard_without_keys(p) is crashes
     mask = kernel_module.mask_lib.MultiHeadMask([splash.build(kernel_module.mask_lib, d, (256, 128)) for d in masks])
-    build = lambda: kernel_module.make_splash_mha(mask, block_sizes=kernel_module.BlockSizes(**p.block_sizes),  # noqa: E731
-                                                  head_shards=1, q_seq_shards=q_seq_shards)
+    build = functools.partial(kernel_module.make_splash_mha, mask, block_sizes=kernel_module.BlockSizes(**p.block_sizes),
+                              head_shards=1, q_seq_shards=q_seq_shards)
     if crashes:
         with pytest.raises(AssertionError):
             build()
