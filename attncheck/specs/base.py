@@ -19,6 +19,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from attncheck import bugclasses, parameters
+from attncheck import strategies as S
 from attncheck.cases import Case, Params, check_params_type
 from attncheck.bugclasses import BugClass
 from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, KINDS, Contract, Expectation, Shipped
@@ -69,7 +70,11 @@ class KernelSpec(abc.ABC, Generic[P]):
       findings: deviations of its default implementations (bug classes, invalid calls,
       contracts), each with its reason. They run like any user's declared deviation;
     - ``explicit_examples``: class name -> its coverage example written out, for a class
-      the search's budget rarely draws (it would be a coverage hole).
+      the search's budget rarely draws (it would be a coverage hole);
+    - ``directions``: each direction the family judges, in the order its kernel delivers
+      them (the output, then the gradients) -> the names of its array's axes (None:
+      unnamed); each is delivered in the case's ``dtype`` unless ``output_dtypes`` says
+      otherwise.
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -86,6 +91,7 @@ class KernelSpec(abc.ABC, Generic[P]):
     contracts: ClassVar[tuple[Contract, ...]] = ()
     expectations: ClassVar[tuple[Shipped, ...]] = ()
     explicit_examples: ClassVar[Mapping[str, Case]] = types.MappingProxyType({})
+    directions: ClassVar[Mapping[str, tuple[str, ...] | None]] = types.MappingProxyType({})
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS
@@ -94,6 +100,9 @@ class KernelSpec(abc.ABC, Generic[P]):
             if not hasattr(self, attribute):
                 raise TypeError(f"{type(self).__name__}: a KernelSpec must set the class attribute {attribute!r}")
         check_params_type(self.params_type)
+        if not self.directions and type(self).output_dtypes is KernelSpec.output_dtypes:
+            raise TypeError(f"{type(self).__name__}: a KernelSpec must declare its directions (or override "
+                            "output_dtypes)")
         unknown = [b for b in (*self.backends, *self.examples) if b not in BACKENDS]
         if unknown or not self.backends:
             raise TypeError(f"{type(self).__name__}: backends {list(self.backends)} / examples "
@@ -171,9 +180,10 @@ class KernelSpec(abc.ABC, Generic[P]):
         """The naive same-precision implementation's result for every direction: the
         tolerance is scaled by its distance to the oracle (``attncheck.numerics``)."""
 
-    @abc.abstractmethod
     def output_dtypes(self, case: Case[P]) -> dict[str, Any]:
-        """Direction -> dtype the kernel delivers it in (ulps are counted in it)."""
+        """Direction -> dtype the kernel delivers it in (ulps are counted in it): every
+        direction in the case's ``dtype``."""
+        return dict.fromkeys(self.directions, S.dtype_of(case.params.dtype))
 
     def care(self, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
         """Direction -> mask of elements that count (False: don't-care padding)."""
@@ -192,7 +202,7 @@ class KernelSpec(abc.ABC, Generic[P]):
 
     def index_names(self, direction: str) -> tuple[str, ...] | None:
         """Names of the axes of a direction's array, for reproducer messages."""
-        return None
+        return self.directions.get(direction)
 
     def error_map_layout(self, case: Case[P], direction: str) -> ErrorMapLayout | None:
         """How a direction's error map is laid out (``attncheck.report.errormap``): the axes

@@ -179,6 +179,9 @@ def some_row_sees_no_key(p: DPAParams) -> bool:
 class DPASpec(KernelSpec[DPAParams]):
     name = FAMILY
     params_type = DPAParams
+    directions = {"out": ("batch", "query", "head", "dim"), "dq": ("batch", "query", "head", "dim"),
+                  "dk": ("batch", "key", "kv_head", "dim"), "dv": ("batch", "key", "kv_head", "dim"),
+                  "dbias": BIAS_AXES}
     default_impls = {"jax_nn": "jax.nn:dot_product_attention",
                      "flash": "kernels.dot_product_attention:dot_product_attention"}
     backends = ("xla", "interpret", "interpret-hazards", "tpu-lower", "tpu")
@@ -265,7 +268,7 @@ class DPASpec(KernelSpec[DPAParams]):
         primals, rest = self._operands(inputs)
         fn = compiled((FAMILY, impl_key(impl), static), lambda: with_vjp(self._call(impl, p)))
         out, grads = fn(primals, inputs["d_out"], *rest)
-        return {d: np.asarray(r) for d, r in zip(("out", "dq", "dk", "dv", "dbias"), (out, *grads))}
+        return {d: np.asarray(r) for d, r in zip(self.directions, (out, *grads))}
 
     def lower(self, impl, case):
         inputs = self.inputs(case)
@@ -301,15 +304,6 @@ class DPASpec(KernelSpec[DPAParams]):
                                                 seq_major=True, **sem)
         result["out"] = np.where(valid, result["out"], 0).astype(result["out"].dtype)
         return {d: (x if d == "dbias" else x.transpose(TO_HEADS_MAJOR)) for d, x in result.items()}
-
-    def output_dtypes(self, case):
-        dt = S.dtype_of(case.params.dtype)
-        return {d: dt for d in ("out", "dq", "dk", "dv", "dbias")}
-
-    def index_names(self, direction):
-        return {"out": ("batch", "query", "head", "dim"), "dq": ("batch", "query", "head", "dim"),
-                "dk": ("batch", "key", "kv_head", "dim"), "dv": ("batch", "key", "kv_head", "dim"),
-                "dbias": BIAS_AXES}.get(direction)
 
     def invalid_calls(self, impl):
         return invalid_dpa_calls(impl, adapter=impl is resolve_impl(self.default_impls["flash"]))

@@ -92,6 +92,9 @@ def _dense_ffn(params, x):
 class BlockwiseFFNSpec(KernelSpec[FFNParams]):
     name = FAMILY
     params_type = FFNParams
+    # Of the trailing axes: the inputs' leading axes vary in number.
+    directions = {"out": ("position", "feature"), "dx": ("position", "feature"), "dw_in": ("feature", "hidden"),
+                  "db_in": ("hidden",), "dw_out": ("hidden", "feature"), "db_out": ("feature",)}
     default_impls = {"builtin": "kernels.blockwise_ffn:blockwise_ffn"}
     backends = ("xla",)
     bug_classes = bugclasses.bug_classes(
@@ -163,16 +166,6 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         dense = _with_dropout_multiplier(_dense_ffn) if case.params.stochastic else _dense_ffn
         extra = (inputs["dropout"].astype(np.float32),) if case.params.stochastic else ()
         return _grads(dense, ("yardstick", case.params.stochastic), inputs, *extra)
-
-    def output_dtypes(self, case):
-        dt = S.dtype_of(case.params.dtype)
-        return {d: dt for d in ("out", "dx", "dw_in", "db_in", "dw_out", "db_out")}
-
-    def index_names(self, direction):
-        # Of the trailing axes: the inputs' leading axes vary in number.
-        return {"out": ("position", "feature"), "dx": ("position", "feature"),
-                "dw_in": ("feature", "hidden"), "dw_out": ("hidden", "feature"), "db_in": ("hidden",),
-                "db_out": ("feature",)}.get(direction)
 
     def error_map_layout(self, case, direction):
         # Positions on the chunks the kernel scans; the weights' gradients sum over every

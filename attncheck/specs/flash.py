@@ -202,6 +202,7 @@ def flash_cases(draw) -> Case:
 class FlashSpec(KernelSpec[FlashParams]):
     name = FAMILY
     params_type = FlashParams
+    directions = {**ATTENTION_AXES, "dab": BIAS_AXES}
     default_impls = {"builtin": "kernels.flash_attention:flash_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     bug_classes = bugclasses.bug_classes(
@@ -295,7 +296,7 @@ class FlashSpec(KernelSpec[FlashParams]):
         primals, rest = _operands(inputs)
         fn = compiled(("flash", impl_key(impl), static), lambda: with_vjp(self._call(impl, p)))
         out, grads = fn(primals, inputs["d_out"], *rest)
-        return {n: np.asarray(r) for n, r in zip(("out", "dq", "dk", "dv", "dab"), (out, *grads))}
+        return {n: np.asarray(r) for n, r in zip(self.directions, (out, *grads))}
 
     def lower(self, impl, case):
         inputs = self.inputs(case)
@@ -320,13 +321,6 @@ class FlashSpec(KernelSpec[FlashParams]):
         return yardstick.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
                                               scale=case.params.sm_scale, ab=inputs.get("ab"), visible=visible,
                                               fallback=fallback, masked_rows="zero")
-
-    def output_dtypes(self, case):
-        dt = S.dtype_of(case.params.dtype)
-        return {d: dt for d in ("out", "dq", "dk", "dv", "dab")}
-
-    def index_names(self, direction):
-        return {**ATTENTION_AXES, "dab": BIAS_AXES}.get(direction)
 
     def error_map_layout(self, case, direction):
         # Each direction on the blocks of the pass that computes it: out (fwd), dk and dv

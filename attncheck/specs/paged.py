@@ -149,6 +149,7 @@ def zero_lengths_between_others(p: PagedParams) -> bool:
 class PagedSpec(KernelSpec[PagedParams]):
     name = FAMILY
     params_type = PagedParams
+    directions = {"out": ("batch", "q_head", "dim")}
     default_impls = {"jax": "jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel:paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     bug_classes = bugclasses.bug_classes(
@@ -318,12 +319,6 @@ class PagedSpec(KernelSpec[PagedParams]):
         grouped = q.reshape(p.batch, p.kv_heads, p.groups, p.head_dim)
         out = yardstick.attention(grouped, k, v, scale=1.0, soft_cap=p.soft_cap, visible=visible, masked_rows="zero")
         return {"out": out.reshape(q.shape)}
-
-    def output_dtypes(self, case):
-        return {"out": S.dtype_of(case.params.dtype)}
-
-    def index_names(self, direction):
-        return ("batch", "q_head", "dim")
 
     def invalid_calls(self, impl):
         return invalid_paged_calls(impl)

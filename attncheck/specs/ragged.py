@@ -245,6 +245,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         "num_seqs.shape[0]": "num_seqs is one int32 by the convention",
     }
     params_type = RaggedParams
+    directions = {"out": ("token", "q_head", "dim")}
     default_impls = {"builtin": "kernels.ragged_paged_attention:ragged_paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     bug_classes = bugclasses.bug_classes(
@@ -390,12 +391,6 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                                  v.transpose(1, 0, 2)[None], scale=p.sm_scale, visible=visible,
                                  soft_cap=p.soft_cap, masked_rows="zero")
         return {"out": np.asarray(out)[0].transpose(1, 0, 2).astype(q_dt)}
-
-    def output_dtypes(self, case):
-        return {"out": S.dtype_of(case.params.dtype)}
-
-    def index_names(self, direction):
-        return ("token", "q_head", "dim")
 
     def error_map_layout(self, case, direction):
         # Tokens x query heads: the q blocks of the grid, where each sequence's tokens end

@@ -195,6 +195,7 @@ class RingSpec(KernelSpec[RingParams]):
     """One ring variant; subclasses say how to call it."""
 
     params_type = RingParams
+    directions = {**ATTENTION_AXES, "dbias": BIAS_AXES}
     bug_classes = RING_CLASSES
     head_dims = S.Shapes(ci=(32, 64), nightly=(16, 32, 64, 128))
     per_device_lens = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
@@ -248,7 +249,7 @@ class RingSpec(KernelSpec[RingParams]):
                       lambda: with_vjp(lambda *a: call(*a[:-2], extras=a[-2], seed=a[-1])))
         extras = {n: inputs[n] for n in self.EXTRAS if n in inputs}
         out, grads = fn(tuple(inputs[n] for n in names), inputs["d_out"], extras, np.uint32(case.seed))
-        results = dict(zip(("out", "dq", "dk", "dv", "dbias"), (out, *grads)))
+        results = dict(zip(self.directions, (out, *grads)))
         # Back to head-major [B, H, S, D] for comparison with the oracle.
         return {k: np.asarray(v).transpose(0, 2, 1, 3) if k != "dbias" else np.asarray(v) for k, v in results.items()}
 
@@ -298,13 +299,6 @@ class RingSpec(KernelSpec[RingParams]):
         return yardstick.attention_with_grads(q, k, v, d_out, scale=sem["scale"], bias=sem["bias"],
                                               visible=visible, masked_rows="zero", seq_major=True,
                                               dropout_multiplier=sem.get("dropout_multiplier"))
-
-    def output_dtypes(self, case):
-        dt = S.dtype_of(case.params.dtype)
-        return {d: dt for d in ("out", "dq", "dk", "dv", "dbias")}
-
-    def index_names(self, direction):
-        return {**ATTENTION_AXES, "dbias": BIAS_AXES}.get(direction)
 
     def error_map_layout(self, case, direction):
         # The global sequence cut into each device's shard, and (blockwise ring) the chunks

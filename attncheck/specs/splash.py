@@ -472,6 +472,8 @@ def bwd_blocks_differ(p: SplashParams) -> bool:
 class SplashSpec(KernelSpec[SplashParams]):
     name = FAMILY
     params_type = SplashParams
+    directions = {"out": ("head", "query", "dim"), "dq": ("head", "query", "dim"), "dk": ("kv_head", "key", "dim"),
+                  "dv": ("kv_head", "key", "dim")}
     default_impls = {"builtin": "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel:"
                                 "make_splash_mha"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
@@ -669,14 +671,6 @@ class SplashSpec(KernelSpec[SplashParams]):
         # Fully masked rows are undefined in splash (block-structure dependent, NaN in a q
         # block without keys); their gradients are not (zero cotangent): dq is judged.
         return {"out": ~fully_masked_rows(case.params)[..., None]}
-
-    def output_dtypes(self, case):
-        dt = S.dtype_of(case.params.dtype)
-        return {d: dt for d in ("out", "dq", "dk", "dv")}
-
-    def index_names(self, direction):
-        return {"out": ("head", "query", "dim"), "dq": ("head", "query", "dim"), "dk": ("kv_head", "key", "dim"),
-                "dv": ("kv_head", "key", "dim")}.get(direction)
 
     def invalid_calls(self, impl):
         return invalid_splash_calls(impl)

@@ -29,7 +29,7 @@ def test_repro_reproduces_a_failure_and_report_remerges(gate_dir, pytester):
     failing = [r for r in report["records"] if r["outcome"] == "fail"]
     case_id = failing[0]["case_id"]
     recorded = {r["direction"]: r for r in failing if r["case_id"] == case_id}
-    assert set(recorded) == set(toy_spec.DIRECTIONS)
+    assert set(recorded) == set(toy_spec.SPEC.directions)
 
     # The reproducer exactly as the report prints it.
     argv = shlex.split(failing[0]["repro"])
@@ -94,7 +94,7 @@ def test_budgets_accept_then_a_grown_budget_is_a_numerics_regression(gate_dir, p
     assert proc.returncode == 0, proc.stdout + proc.stderr
     baseline = json.loads((gate_dir / "baseline.json").read_text())
     # One accepted budget per implementation x dtype x direction.
-    assert len(report["summary"]) == len(toy_spec.SPEC.default_impls) * 2 * len(toy_spec.DIRECTIONS)
+    assert len(report["summary"]) == len(toy_spec.SPEC.default_impls) * 2 * len(toy_spec.SPEC.directions)
     assert f"wrote {len(report['summary'])} accepted budgets" in proc.stdout
     fields = ("kernel", "impl", "backend", "dtype", "direction", "worst_budget")
     assert baseline["budgets"] == [{k: row[k] for k in fields} for row in report["summary"]]

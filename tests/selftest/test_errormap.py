@@ -151,7 +151,7 @@ def test_the_check_pipeline_attaches_maps_as_the_policy_says():
 
     assert all(r.error_map is None for r in run(toy_spec.toy_attention, None))
     every = run(toy_spec.toy_attention, em.EveryMap())
-    assert [r.error_map.direction for r in every] == list(toy_spec.DIRECTIONS)
+    assert [r.error_map.direction for r in every] == list(toy_spec.SPEC.directions)
     for r in every:
         assert r.passed and r.error_map.budget == pytest.approx(r.budget, rel=0.01)
         assert 0 < r.timings["error_map_s"] <= r.timings["compare_s"]

@@ -17,7 +17,7 @@ from attncheck import scheduling
 from attncheck.report import records as rec
 from tests.selftest import harness, toy_spec
 
-DIRECTIONS = set(toy_spec.DIRECTIONS)
+DIRECTIONS = set(toy_spec.SPEC.directions)
 # The gate verifies each implementation in two tests: the coverage examples, then the drawn cases.
 USER_TESTS = {part: f"test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla-{part}]"
               for part in ("coverage", "drawn")}

@@ -152,7 +152,7 @@ def test_report_of_a_passing_run_renders_in_chromium(tmp_path):
     assert found["status"] == "PASS" and found["failures"] == 0
     assert_every_plot_drawn(found)
     # The worst passing map of each direction, and no failure card.
-    assert sum(p["kind"] == "plot errormap" for p in found["plots"]) == len(toy_spec.DIRECTIONS)
+    assert sum(p["kind"] == "plot errormap" for p in found["plots"]) == len(toy_spec.SPEC.directions)
 
 
 @pytest.mark.skipif(not os.environ.get("ATTNCHECK_SCREENSHOT_REPORT"),

@@ -11,6 +11,7 @@ from tests.selftest import toy_spec
 
 class ToyForwardSpec(toy_spec.ToySpec):
     name = "toy_forward"
+    directions = {"out": toy_spec.ToySpec.directions["out"]}
     default_impls = {"builtin": "tests.selftest.toy_spec:toy_attention"}
 
     def run(self, impl, case, inputs):
@@ -21,9 +22,6 @@ class ToyForwardSpec(toy_spec.ToySpec):
 
     def yardstick(self, case, inputs):
         return {"out": super().yardstick(case, inputs)["out"]}
-
-    def output_dtypes(self, case):
-        return {"out": super().output_dtypes(case)["out"]}
 
     def invalid_calls(self, impl):
         return []  # the toy family's convention: its invalid calls are tested there

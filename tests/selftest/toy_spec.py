@@ -57,7 +57,6 @@ HEAD_DIM = 4
 # Not 1.0: applying the scale twice must change the result of every case.
 SM_SCALE = 1.0 / HEAD_DIM**0.5
 BATCH, HEADS = 2, 2  # fixed: few shapes, so few compiles (the self-tests run the gate often)
-DIRECTIONS = ("out", "dq", "dk", "dv")
 CALL_LOG_ENV = "ATTNCHECK_TOY_CALL_LOG"
 INTERRUPT_AT = 3
 _MASKED_LOGIT = -1e30
@@ -209,6 +208,8 @@ class ToySpec(KernelSpec[ToyParams]):
                      "lse": "tests.selftest.toy_spec:toy_attention_lse",
                      "chunked": "tests.selftest.toy_spec:toy_attention_chunked"}
     params_type = ToyParams
+    directions = {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
+                  "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}
     backends = ("xla",)
     bug_classes = bugclasses.bug_classes(causal=lambda p: p.causal, bf16=lambda p: p.dtype == "bfloat16")
     examples = {"xla": 4}
@@ -236,7 +237,7 @@ class ToySpec(KernelSpec[ToyParams]):
         if not getattr(impl, "toy_eager", False):  # eager: really call the implementation for every case
             forward_and_vjp = compiled(("toy", impl_key(impl), case.params), lambda f=forward_and_vjp: f)
         out, grads = forward_and_vjp(primals, inputs["d_out"])
-        return {n: np.asarray(x) for n, x in zip(DIRECTIONS, (out, *grads))}
+        return {n: np.asarray(x) for n, x in zip(self.directions, (out, *grads))}
 
     def lower(self, impl, case):
         struct = jax.ShapeDtypeStruct(case.params.shape, S.dtype_of(case.params.dtype))
@@ -255,13 +256,6 @@ class ToySpec(KernelSpec[ToyParams]):
         visible = yardstick.visibility(positions, positions, causal=p.causal)
         return yardstick.attention_with_grads(inputs["q"], inputs["k"], inputs["v"], inputs["d_out"],
                                               scale=p.sm_scale, visible=visible, masked_rows="zero")
-
-    def output_dtypes(self, case):
-        return {d: S.dtype_of(case.params.dtype) for d in DIRECTIONS}
-
-    def index_names(self, direction):
-        return {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
-                "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}.get(direction)
 
     def error_map_layout(self, case, direction):
         # The chunked implementation's two key chunks, on the key axis of dk and dv.
