@@ -415,11 +415,11 @@ def cmd_findings_export(args) -> int:
 
 
 def cmd_mutate(args) -> int:
-    from attncheck.mutation import runner
+    from attncheck.mutation import campaign
     from attncheck.mutation.mutant import CatalogueError
 
     try:
-        return runner.main(args)
+        return campaign.main(args)
     except CatalogueError as exc:
         raise CommandError(str(exc)) from None
 

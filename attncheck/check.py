@@ -268,9 +268,9 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     try:
         with (target.backend.context(case.seed, p.device_count, p.simulated_cores),
               timings.phase("kernel", compiles=True)):
-            got = spec.run(target.impl, case, inputs)
+            got = spec.evaluate(target.impl, case, inputs)
         if not isinstance(got, dict):
-            raise TypeError(f"the spec's run() returned {type(got).__name__}, expected a dict of directions")
+            raise TypeError(f"the spec's evaluate() returned {type(got).__name__}, expected a dict of directions")
     except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
         record = _error(base, "all", exc, timings, interpreted=target.backend.interprets)
         # A crash is expected only where a declared deviation may touch the whole case.

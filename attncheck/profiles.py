@@ -3,7 +3,7 @@
 ``ci``: derandomized, no shrinking, no example database (the pull-request gate); ``dev``:
 random, a third of the examples; ``nightly``: random, eight times the examples.
 Registering a profile changes nothing until one is loaded, which only an attncheck run
-does (``attncheck.run``).
+does (``attncheck.session``).
 """
 
 from __future__ import annotations

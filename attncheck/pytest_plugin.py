@@ -4,7 +4,7 @@ Installed through the ``pytest11`` entry point, so it is loaded into every pytes
 of the environment; it changes nothing there (environment, hypothesis profile, junit path,
 test order, report files) unless the session asks for attncheck: ``--attncheck``, any
 ``--attncheck-*`` option, or the gate package (``pytest --pyargs attncheck.gate``) among the
-arguments. Then a :class:`GateRun` is registered: it sets up the process (CPU platform
+arguments. Then a :class:`GateSession` is registered: it sets up the process (CPU platform
 unless a TPU is present, simulated devices), parametrizes the generic gate, orders the
 tests, and merges the records into the report with its verdict. Its state lives in
 ``config.stash``.
@@ -24,7 +24,7 @@ from attncheck import scheduling
 from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
 
 if TYPE_CHECKING:  # the run imports jax: only an attncheck session loads it
-    from attncheck.run import GateRun
+    from attncheck.session import GateSession
 
 GATE_PACKAGE = "attncheck.gate"
 GATE_DIR = pathlib.Path(__file__).resolve().parent / "gate"
@@ -101,22 +101,22 @@ def pytest_configure(config):
         return
     from attncheck import env
 
-    # Before attncheck.run imports jax and NumPy: both fix their code when they start.
+    # Before attncheck.session imports jax and NumPy: both fix their code when they start.
     try:
         setup_warnings = env.configure()
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    from attncheck.run import GateRun
+    from attncheck.session import GateSession
 
-    run = GateRun(config, why, setup_warnings)
+    run = GateSession(config, why, setup_warnings)
     config.stash[RUN] = run
     config.pluginmanager.register(run, "attncheck-run")
 
 
-RUN = pytest.StashKey["GateRun"]()
+RUN = pytest.StashKey["GateSession"]()
 
 
-def gate_run(config) -> GateRun:
+def gate_run(config) -> GateSession:
     if RUN not in config.stash:
         raise pytest.UsageError("this test is an attncheck gate test: run it with --attncheck "
                                 f"(or `attncheck gate`, or `pytest --pyargs {GATE_PACKAGE}`)")

@@ -10,7 +10,7 @@ until it was killed at 600 s).
 
 The watchdog is a second, hard deadline on a thread of its own: armed with the test's
 limit, it fires at ``limit * (1 + GRACE)``, after the signal had its chance. Firing is the
-caller's to define (``attncheck.run.GateRun``): the case in flight gets its error record,
+caller's to define (``attncheck.session.GateSession``): the case in flight gets its error record,
 every thread's stack goes to the process' faults file, and the process ends; under xdist
 the controller replaces the worker and the run goes on.
 """

@@ -1,4 +1,4 @@
-"""The mutant catalogue: known kernel bugs the gate must catch (see attncheck.mutation.runner).
+"""The mutant catalogue: known kernel bugs the gate must catch (see attncheck.mutation.campaign).
 
 Each entry plants one realistic bug in one kernel (``find`` occurs exactly once in
 ``file``; the runner refuses it otherwise). ``bug_class`` names the kind of bug (the

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from attncheck import accepted, parameters
 from attncheck.env import Platform
 from attncheck.expectations import STALE
-from attncheck.mutation import runner
+from attncheck.mutation import campaign
 from attncheck.report import coverage_table
 from attncheck.report import records as rec
 from attncheck.report.model import (FAIL, INCOMPLETE, DeviationStatus, InvalidCallOutcome, Report, ShardInfo,
@@ -231,7 +231,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     mutations = {s.info.name: _read_json(s.directory / MUTATION_FILE) for s in ordered}
     mutation = None
     if any(mutations.values()):
-        mutation = runner.summarize([r for m in mutations.values() if m for r in m.get("results", [])])
+        mutation = campaign.summarize([r for m in mutations.values() if m for r in m.get("results", [])])
         problems += [f"shard {name}: no {MUTATION_FILE}: its share of the mutants did not run"
                      for name, m in mutations.items() if not m]
     walls = [s.data["wall_s"] for s in ordered]

@@ -44,7 +44,7 @@ KERNEL_TIME_SUFFIX = ".kernel_s"
 # cause in the report, not only in a log.
 FAULTS_SUFFIX = ".faults"
 # What the process wrote to its file descriptor 2 during its current test (pytest's capture
-# of it, kept in a named file: ``attncheck.run``): XLA's own message before an abort.
+# of it, kept in a named file: ``attncheck.session``): XLA's own message before an abort.
 STDERR_SUFFIX = ".stderr"
 # The first line of the watchdog's dump in a faults file.
 TIMED_OUT = "Timed out"

@@ -142,7 +142,7 @@ class KernelSpec(abc.ABC, Generic[P]):
 
     def parameters(self, impl: Callable, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, str] | None:
         """The parameter surface of this case's call of ``impl`` (``attncheck.parameters``)."""
-        return parameters.record(lambda probe: self.run(probe, case, inputs), impl,
+        return parameters.record(lambda probe: self.evaluate(probe, case, inputs), impl,
                                  [resolve_impl(ref) for ref in self.keyword_targets])
 
     def examples_for(self, backend: str) -> int:
@@ -162,7 +162,7 @@ class KernelSpec(abc.ABC, Generic[P]):
         """The rounded inputs (and cotangents) of a case, rebuilt from its seed."""
 
     @abc.abstractmethod
-    def run(self, impl: Callable, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def evaluate(self, impl: Callable, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Forward output and gradients, keyed by direction."""
 
     def lower(self, impl: Callable, case: Case[P]) -> dict[str, Callable[[], Any]]:

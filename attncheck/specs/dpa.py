@@ -260,7 +260,7 @@ class DPASpec(KernelSpec[DPAParams]):
                                                                                 "key_value_seq_lengths")]
         return primals, rest
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         p = case.params
         # Values, masks and lengths are data; only whether they are given changes the program.
         static = dataclasses.replace(p, values="", mask_empties_rows=False,

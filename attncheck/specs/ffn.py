@@ -137,7 +137,7 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
             out["dropout"] = _dropout_multiplier(p, case.seed)
         return out
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         p = case.params
         position_wise, pack = _convention(impl)
         ffn = _with_dropout(position_wise) if p.stochastic else position_wise

@@ -288,7 +288,7 @@ class FlashSpec(KernelSpec[FlashParams]):
 
         return forward
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         p = case.params
         # What forces a new compile: everything but the values and the segment layout.
         static = dataclasses.replace(p, values="", segment_starts=(),

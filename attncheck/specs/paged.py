@@ -266,7 +266,7 @@ class PagedSpec(KernelSpec[PagedParams]):
         return tuple(inputs.get(n) for n in ("q", "k_pages", "v_pages", "k_scales", "v_scales", "lengths",
                                              "page_indices"))
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         # Lengths, page tables and values are data: one program per static configuration.
         static = dataclasses.replace(case.params, lengths=(), values="")
         fn = compiled((FAMILY, impl_key(impl), static), lambda: self._call(impl, case.params))

@@ -349,7 +349,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
     def _args(self, inputs):
         return tuple(inputs[n] for n in ARRAY_ARGS)
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         # Called eagerly: the kernel validates concrete metadata, then runs its own jit.
         return {"out": np.asarray(self._call(impl, case.params)(*self._args(inputs)))}
 

@@ -237,7 +237,7 @@ class RingSpec(KernelSpec[RingParams]):
     # Inputs the kernel takes besides the differentiated q, k, v and bias.
     EXTRAS = ("q_segment_ids", "kv_segment_ids")
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         p = case.params
         names = ("q", "k", "v") + (("bias",) if "bias" in inputs else ())
         # What forces a new compile: not the values or the segment layout; the bias layout

@@ -622,7 +622,7 @@ class SplashSpec(KernelSpec[SplashParams]):
             inputs["q"], inputs["k"], inputs["v"], inputs.get("q_segment_ids"), inputs.get("kv_segment_ids")),
             impl_module(impl).make_splash_mqa)
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         p = case.params
         # What forces a new compile: not the values, the seed or the segment layout.
         static = dataclasses.replace(p, values="", segment_starts=())

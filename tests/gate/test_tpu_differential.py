@@ -35,8 +35,8 @@ def test_interpret_matches_tpu(spec, attncheck_record):
     def compare(case):
         inputs = spec.inputs(case)
         with backends.BACKENDS["interpret"].context(case.seed):
-            simulated = spec.run(target.impl, case, inputs)
-        native = spec.run(target.impl, case, inputs)
+            simulated = spec.evaluate(target.impl, case, inputs)
+        native = spec.evaluate(target.impl, case, inputs)
         care, dtypes = spec.care(case, inputs), spec.output_dtypes(case)
         base = dataclasses.asdict(check.case_run(target, case))
         for direction, value in simulated.items():

@@ -84,10 +84,10 @@ def test_backends_state_the_generation_they_emulate_and_enter_it():
 def test_the_pytest_header_names_the_emulated_generation():
     import types
 
-    from attncheck.run import GateRun
+    from attncheck.session import GateSession
 
     run = types.SimpleNamespace(report_dir="rep", why="--attncheck", platform=env.current_platform())
-    header = GateRun.pytest_report_header(run, None)
+    header = GateSession.pytest_report_header(run, None)
     assert "  interpret: available (emulates TPU v5 lite)" in header
     assert "  tpu-lower: available (emulates TPU v5 lite)" in header
     assert "  xla: available" in header

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from attncheck import cache_root, specs
-from attncheck.mutation import runner
+from attncheck.mutation import campaign
 from attncheck.mutation.catalogue import CATALOGUE
 from attncheck.mutation.mutant import CatalogueError, Mutant, apply, mutated_source
 
@@ -30,7 +30,7 @@ SNAKE_CASE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*$")
 
 @pytest.mark.parametrize("mutant", SAMPLE, ids=[m.id for m in SAMPLE])
 def test_sample_mutant_is_killed(mutant):
-    result = runner.run_mutant(mutant, timeout_s=300)
+    result = campaign.run_mutant(mutant, timeout_s=300)
     assert result["status"] == "killed", (
         f"{mutant.id} ({mutant.description}): {result['status']} after {result['seconds']} s; "
         f"the gate no longer catches this bug. Last lines: {result['detail']}")
@@ -122,21 +122,21 @@ def test_a_mutant_of_an_installed_module_is_planted_in_a_copy_the_gate_is_pointe
 
 def test_select_rejects_unknown_ids():
     with pytest.raises(CatalogueError, match="unknown"):
-        runner.select(CATALOGUE, ids=["no-such-mutant"])
-    assert runner.select(CATALOGUE, sample=True) == SAMPLE
+        campaign.select(CATALOGUE, ids=["no-such-mutant"])
+    assert campaign.select(CATALOGUE, sample=True) == SAMPLE
 
 
 def test_summarize_excludes_equivalent_and_invalid():
     rows = [{"family": "f", "status": s} for s in ("killed", "killed", "survived", "equivalent", "invalid")]
-    summary = runner.summarize(rows)
+    summary = campaign.summarize(rows)
     assert summary["kill_rate"] == pytest.approx(2 / 3)
     assert summary["per_kernel"]["f"]["kill_rate"] == pytest.approx(2 / 3)
 
 
 
 def test_gate_command_runs_one_family_or_the_whole_gate_with_x(tmp_path):
-    family = runner.gate_command("ring_attention", tmp_path)
-    whole = runner.gate_command(None, tmp_path)
+    family = campaign.gate_command("ring_attention", tmp_path)
+    whole = campaign.gate_command(None, tmp_path)
     assert "-x" in family and "-x" in whole
     assert family[family.index("--attncheck-kernel") + 1] == "ring_attention"
     assert "--attncheck-kernel" not in whole and whole[whole.index("-n") + 1] == "auto"
@@ -157,16 +157,16 @@ def _mutated_run(directory, verdict: str | None, failures: int = 0, failed: tupl
 def test_the_verdict_of_a_mutant_comes_from_the_mutated_runs_report(tmp_path):
     caught = "test_kernel_matches_oracle[blockwise_ffn-builtin-xla-coverage]"
     # A failing case (a run stopped by -x under xdist is incomplete and still a kill).
-    assert runner.verdict(_mutated_run(tmp_path / "a", "FAIL", 4, (caught,)), None) == (
+    assert campaign.verdict(_mutated_run(tmp_path / "a", "FAIL", 4, (caught,)), None) == (
         "killed", [f"test_gate.py::{caught}"])
     # A test that failed without a record (an invalid input accepted) kills it too.
-    assert runner.verdict(_mutated_run(tmp_path / "b", "FAIL", 0, ("test_invalid[x]",)), None)[0] == "killed"
-    assert runner.verdict(_mutated_run(tmp_path / "c", "PASS"), None) == ("survived", [])
-    assert runner.verdict(_mutated_run(tmp_path / "d", "PASS"), "no observable difference") == ("equivalent", [])
+    assert campaign.verdict(_mutated_run(tmp_path / "b", "FAIL", 0, ("test_invalid[x]",)), None)[0] == "killed"
+    assert campaign.verdict(_mutated_run(tmp_path / "c", "PASS"), None) == ("survived", [])
+    assert campaign.verdict(_mutated_run(tmp_path / "d", "PASS"), "no observable difference") == ("equivalent", [])
     # A run that failed for another reason, verified nothing, or wrote no report proves nothing.
-    assert runner.verdict(_mutated_run(tmp_path / "e", "FAIL"), None) == ("invalid", [])
-    assert runner.verdict(_mutated_run(tmp_path / "f", "NO CASES"), None) == ("invalid", [])
-    assert runner.verdict(_mutated_run(tmp_path / "g", None), None) == ("invalid", [])
+    assert campaign.verdict(_mutated_run(tmp_path / "e", "FAIL"), None) == ("invalid", [])
+    assert campaign.verdict(_mutated_run(tmp_path / "f", "NO CASES"), None) == ("invalid", [])
+    assert campaign.verdict(_mutated_run(tmp_path / "g", None), None) == ("invalid", [])
 
 
 def test_a_mutated_run_compiles_into_a_private_copy_of_the_cache(tmp_path, monkeypatch):
@@ -185,7 +185,7 @@ def test_a_mutated_run_compiles_into_a_private_copy_of_the_cache(tmp_path, monke
         (cache / "xla" / "mutant-program-cache").write_bytes(b"the bug's program")
         return subprocess.CompletedProcess(command, 1, "", "")
 
-    monkeypatch.setattr(runner.subprocess, "run", gate)
-    assert runner.run_mutant(SAMPLE[0])["status"] == "invalid"  # the fake gate wrote no report
+    monkeypatch.setattr(campaign.subprocess, "run", gate)
+    assert campaign.run_mutant(SAMPLE[0])["status"] == "invalid"  # the fake gate wrote no report
     assert seen["entries"] == ["gate-program-cache"]
     assert sorted(p.name for p in (root / "xla").iterdir()) == ["gate-program-cache"]

@@ -17,7 +17,7 @@ import pytest
 
 from attncheck import accepted, scheduling
 from attncheck.env import Platform
-from attncheck.mutation import runner
+from attncheck.mutation import campaign
 from attncheck.report import merge, model, render
 from attncheck.report.policy import Policy
 from attncheck.report import records as rec
@@ -117,7 +117,7 @@ def test_a_malformed_shard_is_named(text):
 def test_the_shards_of_the_mutant_catalogue_partition_it():
     from attncheck.mutation.catalogue import CATALOGUE
 
-    parts = [runner.select(CATALOGUE, shard=scheduling.Shard(k, 3)) for k in (1, 2, 3)]
+    parts = [campaign.select(CATALOGUE, shard=scheduling.Shard(k, 3)) for k in (1, 2, 3)]
     assert sorted(m.id for part in parts for m in part) == sorted(m.id for m in CATALOGUE)
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
@@ -255,7 +255,7 @@ def test_the_shares_of_the_mutant_catalogue_are_summarized_together(shards):
         return {"id": mutant, "family": "toy_attention", "status": status, "seconds": 1.0}
 
     for index, results in ((1, [result("m1", "killed"), result("m4", "killed")]), (2, [result("m2", "survived")])):
-        (shards[index] / merge.MUTATION_FILE).write_text(json.dumps(runner.summarize(results)))
+        (shards[index] / merge.MUTATION_FILE).write_text(json.dumps(campaign.summarize(results)))
     report = merge.merge_shards(list(shards.values()))
     assert report.mutation["per_kernel"]["toy_attention"] == {
         "total": 3, "killed": 2, "survived": 1, "equivalent": 0, "timed out": 0, "invalid": 0, "kill_rate": 2 / 3}

@@ -14,7 +14,7 @@ class ToyForwardSpec(toy_spec.ToySpec):
     directions = {"out": toy_spec.ToySpec.directions["out"]}
     default_impls = {"builtin": "tests.selftest.toy_spec:toy_attention"}
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         return {"out": np.asarray(self._forward(impl, case.params)(inputs["q"], inputs["k"], inputs["v"]))}
 
     def oracle(self, case, inputs):

@@ -230,7 +230,7 @@ class ToySpec(KernelSpec[ToyParams]):
     def _forward(impl, p: ToyParams):
         return functools.partial(impl, causal=p.causal, sm_scale=p.sm_scale)
 
-    def run(self, impl, case, inputs):
+    def evaluate(self, impl, case, inputs):
         _log_call(impl, case)
         primals = [inputs[n] for n in ("q", "k", "v")]
         forward_and_vjp = with_vjp(self._forward(impl, case.params))

@@ -95,7 +95,7 @@ class MaxfailStop:
 GC_THRESHOLDS = (20000, 20, 20)
 
 
-class GateRun:
+class GateSession:
     """The state and hooks of one attncheck run in one pytest process."""
 
     def __init__(self, config, why: str, setup_warnings: list[str]):

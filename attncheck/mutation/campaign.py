@@ -1,4 +1,4 @@
-"""The mutation runner: plant each mutant in a temporary copy of the project, run the gate
+"""A mutation campaign: plant each mutant in a temporary copy of the project, run the gate
 with ``-x``, and classify the mutant from the mutated run's own report:
 
 - killed: the gate failed a case or a test (time to kill recorded, with the tests that
@@ -26,7 +26,13 @@ import time
 import xml.etree.ElementTree as ET
 
 from attncheck import cache_root
-from attncheck.mutation.mutant import PROJECT_ROOT, CatalogueError, Mutant, apply, mutated_source
+from attncheck.mutation.mutant import (
+    PROJECT_ROOT,
+    CatalogueError,
+    Mutant,
+    apply,
+    mutated_source,
+)
 from attncheck.scheduling import Shard
 
 # What a mutated copy needs to run the gate.
