@@ -18,9 +18,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from attncheck import check, oracle, yardstick
 from attncheck.backends import BACKENDS
 from attncheck.compiled import impl_module, impl_origin
-from attncheck.specs import all_specs, resolve_impl, splash
+from attncheck.specs import all_specs, resolve_impl, splash_blocks, splash_cases, splash_masks
 
-SHAPES = sorted({(s[3], s[4]) for s in splash.SHAPES})  # (q_len, kv_len)
+SHAPES = sorted({(s[3], s[4]) for s in splash_cases.SHAPES})  # (q_len, kv_len)
 
 
 @settings(max_examples=60, deadline=None)
@@ -28,26 +28,27 @@ SHAPES = sorted({(s[3], s[4]) for s in splash.SHAPES})  # (q_len, kv_len)
 def test_the_oracle_side_meaning_of_every_mask_is_the_mask_librarys(data, shape):
     """evaluate() is written from the mask classes' docstrings; the library's own
     evaluation (``mask[:, :]``) must agree everywhere, or the oracle judges another mask."""
-    desc = data.draw(splash.mask_descriptions(*shape))
-    library = kernel_module.mask_lib.MultiHeadMask([splash.build(kernel_module.mask_lib, desc, shape)])
-    np.testing.assert_array_equal(splash.evaluate(desc, *shape), np.asarray(library[:, :, :])[0], err_msg=str(desc))
+    desc = data.draw(splash_masks.mask_descriptions(*shape))
+    library = kernel_module.mask_lib.MultiHeadMask([splash_masks.build(kernel_module.mask_lib, desc, shape)])
+    np.testing.assert_array_equal(splash_masks.evaluate(desc, *shape), np.asarray(library[:, :, :])[0],
+                                  err_msg=str(desc))
 
 
 def test_numpy_layout_0_on_three_kv_tiles_has_every_block_condition():
     p = params(api="mqa", heads=2, kv_heads=1, q_len=256, kv_len=384, head_dim=128, v_head_dim=64,
                masks=(("numpy", 0),) * 2)
-    occupancy = splash.occupancy(splash.head_masks(p)[0], 128, 128)
+    occupancy = splash_blocks.occupancy(splash_blocks.head_masks(p)[0], 128, 128)
     np.testing.assert_array_equal(occupancy, [[1, 0, 1], [0, 2, 1]])
-    assert splash.skipped_block_between_visited(p) and splash.shrunk_grid(p)
-    assert splash.partial_blocks_loaded(p, with_full=True)
+    assert splash_blocks.skipped_block_between_visited(p) and splash_blocks.shrunk_grid(p)
+    assert splash_blocks.partial_blocks_loaded(p, with_full=True)
 
 
-def params(**changes) -> splash.SplashParams:
+def params(**changes) -> splash_cases.SplashParams:
     base = dict(dtype="float32", api="mha", heads=2, kv_heads=1, q_len=128, kv_len=256, head_dim=64, v_head_dim=64,
                 masks=(("causal", 128),) * 2, segments="none", segment_starts=(), soft_cap=None,
-                blocks=tuple((name, 128) for name in splash.BLOCK_FIELDS), fused_bwd=False, head_shards=1,
+                blocks=tuple((name, 128) for name in splash_cases.BLOCK_FIELDS), fused_bwd=False, head_shards=1,
                 q_seq_shards=1, values="normal")
-    return splash.SplashParams(**(base | changes))
+    return splash_cases.SplashParams(**(base | changes))
 
 
 @pytest.mark.parametrize("masks, q_len, kv_len, shrunk", [
@@ -58,36 +59,40 @@ def params(**changes) -> splash.SplashParams:
     ((("full",), ("causal", 128)), 128, 256, False),  # a mask per head is never shrunk
 ])
 def test_shrunk_grid_needs_a_visited_kv_block_off_its_grid_position(masks, q_len, kv_len, shrunk):
-    assert splash.shrunk_grid(params(masks=masks, q_len=q_len, kv_len=kv_len)) is shrunk
+    assert splash_blocks.shrunk_grid(params(masks=masks, q_len=q_len, kv_len=kv_len)) is shrunk
 
 
 def test_fully_masked_rows_in_visited_q_blocks_or_in_q_blocks_without_keys():
     # Bottom-right causal with q longer than kv: the first 128 queries see nothing, a whole block.
     empty_block = params(heads=4, kv_heads=2, q_len=256, kv_len=128, masks=(("causal", -128),) * 4)
-    assert splash.q_block_without_keys(empty_block) and not splash.fully_masked_row_in_visited_block(empty_block)
-    assert splash.fully_masked_rows(empty_block)[:, :128].all() and not splash.fully_masked_rows(empty_block)[:, 128:].any()
+    assert splash_blocks.q_block_without_keys(empty_block)
+    assert not splash_blocks.fully_masked_row_in_visited_block(empty_block)
+    rows = splash_blocks.fully_masked_rows(empty_block)
+    assert rows[:, :128].all() and not rows[:, 128:].any()
     # A negative offset empties the first 16 rows of a q block that sees keys further down.
     some_rows = params(masks=(("causal", -16),) * 2)
-    assert splash.fully_masked_row_in_visited_block(some_rows) and not splash.q_block_without_keys(some_rows)
+    assert splash_blocks.fully_masked_row_in_visited_block(some_rows)
+    assert not splash_blocks.q_block_without_keys(some_rows)
     # The same empty rows inside a q block of 256 rows, half of which see keys.
     wide_q_block = dataclasses.replace(empty_block, blocks=(("block_q", 256),) + empty_block.blocks[1:])
-    assert splash.fully_masked_row_in_visited_block(wide_q_block)
+    assert splash_blocks.fully_masked_row_in_visited_block(wide_q_block)
 
 
 def test_per_head_masks_within_a_kv_group_and_grouped_kv_heads():
-    assert splash.per_head_masks_within_kv_group(params(masks=(("full",), ("causal", 128))))
-    assert not splash.per_head_masks_within_kv_group(params())
+    assert splash_blocks.per_head_masks_within_kv_group(params(masks=(("full",), ("causal", 128))))
+    assert not splash_blocks.per_head_masks_within_kv_group(params())
     # MHA: no two query heads share a kv head, whatever their masks.
-    assert not splash.per_head_masks_within_kv_group(params(kv_heads=2, masks=(("full",), ("causal", 128))))
+    assert not splash_blocks.per_head_masks_within_kv_group(params(kv_heads=2, masks=(("full",), ("causal", 128))))
 
 
 def test_segments_vary_across_tiles_in_every_pass():
     square = dict(q_len=256, kv_len=256, masks=(("causal", 0),) * 2, segments="packed")
-    assert splash.segments_vary_across_tiles(params(**square, segment_starts=(0, 1)))
-    assert not splash.segments_vary_across_tiles(params(**square, segment_starts=(0,)))
+    assert splash_blocks.segments_vary_across_tiles(params(**square, segment_starts=(0, 1)))
+    assert not splash_blocks.segments_vary_across_tiles(params(**square, segment_starts=(0,)))
     # One q block in the forward pass: its q segment map is not tested.
     blocks = dict(params().blocks) | {"block_q": 256}
-    assert not splash.segments_vary_across_tiles(params(**square, segment_starts=(0, 1), blocks=tuple(blocks.items())))
+    assert not splash_blocks.segments_vary_across_tiles(params(**square, segment_starts=(0, 1),
+                                                               blocks=tuple(blocks.items())))
 
 
 def test_the_yardstick_applies_a_mask_per_query_head():
@@ -136,7 +141,7 @@ def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_b
     if fused:
         sizes = {name: size for name, size in sizes.items() if name not in ("block_q_dq", "block_kv_dq")}
     p = params(q_len=256, kv_len=128, masks=(("causal", -128),) * 2, blocks=tuple(sizes.items()), fused_bwd=fused)
-    assert splash.forward_nan_rows_reach_backward(p) is leaks
+    assert splash_blocks.forward_nan_rows_reach_backward(p) is leaks
 
 
 @pytest.mark.parametrize("masks, q_seq_shards, fused, crashes", [
@@ -147,7 +152,7 @@ def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_b
 ])
 def test_the_declared_crash_is_one_mask_without_partial_blocks_over_q_shards(masks, q_seq_shards, fused, crashes):
     p = params(q_len=256, kv_len=256, masks=masks, q_seq_shards=q_seq_shards, fused_bwd=fused)
-    assert splash.q_seq_shards_without_partial_blocks(p) is crashes
+    assert splash_blocks.q_seq_shards_without_partial_blocks(p) is crashes
 
 
 HIDES_EVERY_KEY = ("and", ("causal", -128), ("local", 32, 16, 0))  # drawn by the nightly profile
@@ -163,10 +168,11 @@ def test_the_declared_keyless_shard_crash_is_make_splash_mhas(masks, q_seq_shard
     """The class predicts exactly when jax's mask processing stops at its bare assertion
     (the kernel is built only: make_splash_mha's host code, no run)."""
     p = params(q_len=256, kv_len=128, masks=masks, q_seq_shards=q_seq_shards)
-    assert splash.q_seq_shard_without_keys(p) is crashes
-    mask = kernel_module.mask_lib.MultiHeadMask([splash.build(kernel_module.mask_lib, d, (256, 128)) for d in masks])
-    build = functools.partial(kernel_module.make_splash_mha, mask, block_sizes=kernel_module.BlockSizes(**p.block_sizes),
-                              head_shards=1, q_seq_shards=q_seq_shards)
+    assert splash_blocks.q_seq_shard_without_keys(p) is crashes
+    library = kernel_module.mask_lib
+    mask = library.MultiHeadMask([splash_masks.build(library, d, (256, 128)) for d in masks])
+    build = functools.partial(kernel_module.make_splash_mha, mask, head_shards=1, q_seq_shards=q_seq_shards,
+                              block_sizes=kernel_module.BlockSizes(**p.block_sizes))
     if crashes:
         with pytest.raises(AssertionError):
             build()
@@ -178,7 +184,7 @@ def test_a_sharded_kernel_lowers_for_tpu():
     """The shard_map of a sharded case runs over an abstract mesh of emulated TPUs for
     tpu-lower: over the CPU devices, Mosaic's lowering asked their kind and failed
     ("Unsupported TPU device kind: cpu"; the case the nightly's random draws found)."""
-    spec = all_specs()[splash.FAMILY]
+    spec = all_specs()[splash_cases.FAMILY]
     blocks = (("block_q", 128), ("block_kv", 384), ("block_kv_compute", 128), ("block_q_dkv", 128),
               ("block_kv_dkv", 384), ("block_kv_dkv_compute", 384))
     case = spec.case(10933, **dataclasses.asdict(params(
