@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+from attncheck import parameters
 from attncheck.cases import Params
 
 
@@ -41,6 +42,23 @@ def bug_classes(**predicates: Callable[[Params], bool] | Touching) -> tuple[BugC
     classes in declaration order."""
     return tuple(BugClass(name, p.applies, p.affects) if isinstance(p, Touching) else BugClass(name, p)
                  for name, p in predicates.items())
+
+
+def value_cells(name: str, value: Callable[[Params], float | None], cells: Iterable[str]) -> tuple[BugClass, ...]:
+    """One class per cell of a real parameter (``parameters.NUMBER_CELLS``) its value
+    (None: the kernel's default) must reach, named ``<name>_<cell>``:
+    ``value_cells("sm_scale", lambda p: p.sm_scale, ("negative", "zero"))``. The coverage
+    search then draws each cell every run; the report's value coverage checks that the
+    kernel's call received it."""
+    unknown = sorted(set(cells) - set(parameters.NUMBER_CELLS))
+    if unknown:
+        raise ValueError(f"value_cells({name!r}): cells {unknown} are not among {parameters.NUMBER_CELLS}")
+
+    def reaches(cell: str) -> Callable[[Params], bool]:
+        return lambda p: (v := value(p)) is not None and cell in parameters.number_cells(repr(float(v)))
+
+    return tuple(BugClass(f"{name}_{cell.replace('(', '').replace(')', '').replace(',', '').replace(' ', '_')}",
+                          reaches(cell)) for cell in cells)
 
 
 def exercised(classes: Iterable[BugClass], params: Params) -> list[str]:

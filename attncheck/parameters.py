@@ -17,6 +17,13 @@ A parameter that kept one value across a run is a blind spot: a bug that only sh
 it varies (an index map, a grid size rounded the wrong way, a tile covering more than one
 of something) cannot be observed. ``--attncheck-require-coverage`` fails the run for each,
 unless the spec declares it fixed, with the reason (``KernelSpec.fixed_parameters``).
+
+A parameter of real numbers (a scale, a soft cap, a quantization scale, a dropout rate, a
+mask value) is partitioned into the cells a kernel may treat differently (``NUMBER_CELLS``):
+a hide value multiplied by a negative or zero scale stops hiding, 1 skips a multiply, a
+value that is not a power of two rounds its products. Every cell must be reached too,
+unless the spec declares it outside the convention: ``fixed_parameters["name=cell"]``
+(``"name=*"``: every cell the run did not reach), with the reason.
 """
 
 from __future__ import annotations
@@ -27,8 +34,7 @@ import functools
 import inspect
 import math
 import numbers
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from attncheck.compiled import impl_origin
@@ -37,8 +43,6 @@ DEFAULT = "<default>"
 TRACED = "<traced>"
 ARRAY = "<array>"
 CALL = "call"
-# Values are recorded as short strings; the report lists at most this many per parameter.
-MAX_LISTED_VALUES = 12
 
 
 class Probed(Exception):  # noqa: N818 - not an error: the probe's way out of the spec's run
@@ -185,41 +189,27 @@ def record(run: Callable[[Callable], Any], impl: Callable, keyword_targets: Iter
     return getattr(stand_in, "factory_surface", None)
 
 
-# ------------------------------------------------------------------ the table
-@dataclasses.dataclass
-class ParameterValues:
-    """The values one parameter of a family took, and in how many cases each."""
-
-    cases: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def varied(self) -> bool:
-        return len(self.cases) > 1
+# ------------------------------------------------------------------ value cells
+NUMBER_CELLS = ("negative", "zero", "in (0, 1)", "one", "above 1", "not a power of two")
 
 
-def table(surfaces: Iterable[tuple[str, Mapping[str, str]]]) -> dict[str, dict[str, ParameterValues]]:
-    """family -> parameter -> values, from (family, surface) of every case run once."""
-    result: dict[str, dict[str, ParameterValues]] = {}
-    for family, found in surfaces:
-        params = result.setdefault(family, {})
-        for name, value in found.items():
-            counts = params.setdefault(name, ParameterValues()).cases
-            counts[value] = counts.get(value, 0) + 1
-    return {family: dict(sorted(params.items())) for family, params in sorted(result.items())}
+def number_cells(value: str) -> tuple[str, ...]:
+    """The cells of ``NUMBER_CELLS`` a recorded value falls in (none for a value that is
+    not a finite number: None, a default, a dtype)."""
+    try:
+        x = float(value)
+    except ValueError:
+        return ()
+    if not math.isfinite(x):
+        return ()
+    size = "negative" if x < 0 else "zero" if x == 0 else "in (0, 1)" if x < 1 else "one" if x == 1 else "above 1"
+    return (size, "not a power of two") if x != 0 and math.frexp(abs(x))[0] != 0.5 else (size,)
 
 
-def fixed_reason(name: str, fixed: Mapping[str, str]) -> str | None:
-    """Why the spec keeps a parameter at one value (in a pattern, ``*`` stands for anything)."""
-    return next((reason for pattern, reason in fixed.items()
-                 if re.fullmatch(re.escape(pattern).replace(r"\*", ".*"), name)), None)
-
-
-def unvaried(counts: Mapping[str, Mapping[str, ParameterValues]],
-             fixed: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
-    """family -> parameters that kept one value and are not declared fixed (an array or
-    config that was always given is not one: its axes and fields are)."""
-    holes = {family: [f"{name} (always {value})" for name, values in params.items()
-                      if not values.varied and not is_presence(value := next(iter(values.cases)))
-                      and fixed_reason(name, fixed.get(family, {})) is None]
-             for family, params in counts.items()}
-    return {family: names for family, names in holes.items() if names}
+def outside_convention(name: str, cells: Iterable[str], reason: str) -> dict[str, str]:
+    """``fixed_parameters`` entries declaring cells of a real parameter outside a family's
+    convention, with the reason (``"*"``: every cell the run did not reach)."""
+    unknown = sorted(set(cells) - {*NUMBER_CELLS, "*"})
+    if unknown:
+        raise ValueError(f"outside_convention({name!r}): cells {unknown} are not among {NUMBER_CELLS} or '*'")
+    return {f"{name}={cell}": reason for cell in cells}

@@ -10,11 +10,11 @@ import json
 import pathlib
 from collections.abc import Mapping
 
-from attncheck import accepted, parameters
+from attncheck import accepted
 from attncheck.env import Platform
 from attncheck.expectations import STALE
 from attncheck.mutation import campaign
-from attncheck.report import coverage_table
+from attncheck.report import coverage_table, parameter_coverage
 from attncheck.report import records as rec
 from attncheck.report.model import (FAIL, INCOMPLETE, DeviationStatus, InvalidCallOutcome, Report, ShardInfo,
                                     SkippedBackend, build, describe_tests, deviation_statuses, parameter_table,
@@ -92,8 +92,11 @@ def _judge_whole_run(records: list[rec.Record], invalid_calls: list[InvalidCallO
         counts = coverage_table.table(records, policy.applicable)
         holes = [f"coverage: {kernel} never exercised {', '.join(names)}"
                  for kernel, names in coverage_table.missing(counts, policy.applicable).items()]
+        table = parameter_table(records)
         holes += [f"parameter coverage: {kernel} never varied {', '.join(names)}"
-                  for kernel, names in parameters.unvaried(parameter_table(records), policy.fixed_parameters).items()]
+                  for kernel, names in parameter_coverage.unvaried(table, policy.fixed_parameters).items()]
+        holes += [f"value coverage: {kernel} never drew {', '.join(names)}"
+                  for kernel, names in parameter_coverage.unreached(table, policy.fixed_parameters).items()]
         holes += [f"parameter coverage: {kernel}: the call of {n} case(s) could not be probed "
                   "(attncheck.parameters), so their parameters are unknown"
                   for kernel, n in unprobed(records).items()]

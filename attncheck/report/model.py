@@ -17,10 +17,10 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 
-from attncheck import interpret_compat, parameters
+from attncheck import interpret_compat
 from attncheck.env import Platform
 from attncheck.expectations import INVALID_CALL, NOT_EXERCISED, OCCURS, STALE, Expectation
-from attncheck.report import coverage_table
+from attncheck.report import coverage_table, parameter_coverage
 from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record, target_id
 
@@ -181,7 +181,7 @@ class Report:
     mutation: dict | None = None
     # family -> parameter -> values it took (attncheck.parameters), and the parameters a
     # family keeps at one value on purpose, with the reason.
-    parameters: Mapping[str, Mapping[str, parameters.ParameterValues]] = dataclasses.field(default_factory=dict)
+    parameters: Mapping[str, Mapping[str, parameter_coverage.ParameterValues]] = dataclasses.field(default_factory=dict)
     fixed_parameters: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     declared: Mapping[str, Declared] = dataclasses.field(default_factory=dict)  # family -> its declarations
     shard: ShardInfo | None = None  # None: not a shard of a run
@@ -290,13 +290,13 @@ def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[
     return [f"{target}: no case verified ({why})" for target, why in sorted(asked.items()) if target not in verified]
 
 
-def parameter_table(records: list[Record]) -> dict[str, dict[str, parameters.ParameterValues]]:
+def parameter_table(records: list[Record]) -> dict[str, dict[str, parameter_coverage.ParameterValues]]:
     """family -> parameter -> the values it took, counting each case once."""
     seen = {}
     for r in records:
         if r.parameters is not None:
             seen.setdefault((r.kernel, r.case_id), r.parameters)
-    return parameters.table((kernel, found) for (kernel, _), found in seen.items())
+    return parameter_coverage.table((kernel, found) for (kernel, _), found in seen.items())
 
 
 def unprobed(records: list[Record]) -> dict[str, int]:

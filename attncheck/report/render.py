@@ -13,8 +13,7 @@ import tempfile
 from collections import defaultdict
 
 from attncheck import accepted as acc
-from attncheck import parameters
-from attncheck.report import history, plots
+from attncheck.report import history, parameter_coverage, plots
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.model import PASS, Report, SummaryRow
 from attncheck.report.policy import REGRESSION_FLOOR
@@ -176,10 +175,17 @@ def render_markdown(report: Report) -> str:
     return "\n".join(out) + "\n"
 
 
-def _values(values: parameters.ParameterValues) -> str:
-    shown = list(values.cases.items())[:parameters.MAX_LISTED_VALUES]
+def _values(values: parameter_coverage.ParameterValues) -> str:
+    shown = list(values.cases.items())[:parameter_coverage.MAX_LISTED_VALUES]
     more = len(values.cases) - len(shown)
     return ", ".join(f"{v} ({n})" for v, n in shown) + (f", ... {more} more" if more > 0 else "")
+
+
+def _cell(name: str, cell: str, n: int, fixed) -> str:
+    if n:
+        return f"{md(cell)} {n}"
+    reason = parameter_coverage.fixed_reason(f"{name}={cell}", fixed)
+    return f"{md(cell)} 0 (outside the convention: {md(reason)})" if reason else f"**{md(cell)} 0**"
 
 
 def render_parameters_markdown(report: Report) -> list[str]:
@@ -187,16 +193,21 @@ def render_parameters_markdown(report: Report) -> list[str]:
     the family keeps them fixed on purpose), and the whole table folded away."""
     out = ["## Parameter coverage", "",
            "Every parameter of each kernel's call (keywords, config fields, array axes and dtypes) and the "
-           "values it took; one that kept a single value is a blind spot.", ""]
+           "values it took; one that kept a single value is a blind spot, and so is a cell of a real "
+           "parameter (negative, zero, in (0, 1), one, above 1, not a power of two) that no case reached.", ""]
     for kernel, params in report.parameters.items():
         fixed = report.fixed_parameters.get(kernel, {})
         single = [(name, values) for name, values in params.items() if not values.varied]
         varied = len(params) - len(single)
         out.append(f"- **{md(kernel)}**: {varied} of {len(params)} parameters varied")
         for name, values in single:
-            reason = parameters.fixed_reason(name, fixed)
+            reason = parameter_coverage.fixed_reason(name, fixed)
             note = f"fixed: {md(reason)}" if reason else "**never varied**"
             out.append(f"  - {md_code(name)} = {md_code(next(iter(values.cases)))}: {note}")
+        for name, values in params.items():
+            if parameter_coverage.real_valued(values):
+                out.append(f"  - {md_code(name)}, cases per cell: " + ", ".join(
+                    _cell(name, cell, n, fixed) for cell, n in parameter_coverage.cells(values).items()))
     out += ["", "<details><summary>Every parameter and its values (cases)</summary>", "",
             "| kernel | parameter | values (cases) |", "|---|---|---|"]
     out += [f"| {md(kernel)} | {md_code(name)} | {md(_values(values))} |"
@@ -439,9 +450,9 @@ def render_html(report: Report, accepted: acc.AcceptedBudgets | None = None,
         f"<td>{esc(d.entry.reason)}</td><td>{esc(d.entry.source)}</td><td>{d.cases} ({d.shown})</td>"
         f"<td>{esc(d.status)}</td></tr>" for d in report.deviations)
     parameter_rows = "".join(
-        f"<tr class='{'' if values.varied or parameters.fixed_reason(name, report.fixed_parameters.get(k, {})) else 'bad'}'>"
+        f"<tr class='{'' if values.varied or parameter_coverage.fixed_reason(name, report.fixed_parameters.get(k, {})) else 'bad'}'>"
         f"<td>{esc(k)}</td><td><code>{esc(name)}</code></td><td>{esc(_values(values))}</td>"
-        f"<td>{esc(parameters.fixed_reason(name, report.fixed_parameters.get(k, {})) or '')}</td></tr>"
+        f"<td>{esc(parameter_coverage.fixed_reason(name, report.fixed_parameters.get(k, {})) or '')}</td></tr>"
         for k, params in report.parameters.items() for name, values in params.items())
     sections = ((("failures", "failures"),) if failing else ()) + (
         ("overview", "overview"), ("maps", "error maps"), ("summary", "summary"), ("coverage", "coverage"),

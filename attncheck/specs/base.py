@@ -31,6 +31,11 @@ P = TypeVar("P", bound=Params)
 ATTENTION_AXES = {"out": ("batch", "head", "query", "dim"), "dq": ("batch", "head", "query", "dim"),
                   "dk": ("batch", "head", "key", "dim"), "dv": ("batch", "head", "key", "dim")}
 BIAS_AXES = ("batch", "head", "query", "key")
+# Cells of real parameters outside every attention convention here (``fixed_parameters``
+# through ``parameters.outside_convention``).
+SOFT_CAP_IS_POSITIVE = "a soft cap is a positive bound, cap * tanh(x / cap): 0 divides by zero"
+MASK_VALUE_UNDERFLOWS = ("a mask value must underflow against every visible logit: a large negative number (one "
+                         "of another cell would make hidden keys visible)")
 
 
 @dataclasses.dataclass(frozen=True)

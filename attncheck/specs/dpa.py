@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, bugclasses, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -207,7 +207,6 @@ class DPASpec(KernelSpec[DPAParams]):
         window_right_side=lambda p: p.window is not None and p.window_sides[1] > 0 and not p.is_causal,
         # What changes the logits shows where rows see several keys (every case has one).
         default_scale=lambda p: p.scale is None,
-        scale_above_one=lambda p: p.scale is not None and p.scale > 1,
         # A hidden key must stay hidden whatever the scale's sign: a mask value scaled by a
         # negative scale is the largest logit, by 0 a visible one.
         negative_scale_hides_keys=lambda p: p.scale is not None and p.scale < 0 and hides_keys(p),
@@ -222,7 +221,8 @@ class DPASpec(KernelSpec[DPAParams]):
         gqa=lambda p: 1 < p.kv_heads < p.q_heads,
         mqa=lambda p: p.kv_heads == 1 < p.q_heads,
         # Off the usual tiles (sequences not multiples of 8 / 128): padding must stay hidden.
-        shape_off_tiles=_off_tiles)
+        shape_off_tiles=_off_tiles,
+    ) + bugclasses.value_cells("scale", lambda p: p.scale, parameters.NUMBER_CELLS)
     examples = {"xla": 8, "interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     contracts = (Contract("unseeing_rows_and_padding", "jax.nn's convention: a row that sees no key outputs the mean "
                           "of v over all keys with that mean's gradient; rows past a query length output 0 and take no "

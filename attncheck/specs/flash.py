@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, bugclasses, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
@@ -40,6 +40,9 @@ BIAS_VALUE_KINDS = ("normal", "neg_inf", "nonfinite_masked")
 SEGMENT_DTYPES = ("int32", "int16")
 # None: the kernel's default; interpret mode has no VMEM, tpu-lower passes it to Mosaic.
 VMEM_LIMITS = (None, 64 * 1024 * 1024)
+# Besides 1/sqrt(head_dim): the scale's every cell (a mask value multiplied by a negative or
+# zero scale stops hiding keys), 1 (a multiply a kernel may skip) and one that rounds.
+SM_SCALES = (1.0, 1.7, 0.0, -0.5)
 SEQ_LENS = S.Shapes(ci=(128, 256, 384, 512), nightly=tuple(range(128, 1025, 128)))
 HEAD_DIMS = S.Shapes(ci=(64, 128), nightly=(64, 128, 256))
 # batch * heads <= 2 keeps CI's interpret-mode grids small; both axes still vary.
@@ -190,7 +193,7 @@ def flash_cases(draw) -> Case:
     return Case(FAMILY, FlashParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
         q_len=q_len, kv_len=kv_len, head_dim=head_dim, causal=causal,
-        sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), 1.0))),
+        sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), *SM_SCALES))),
         bias=bias, segments=segments,
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
         values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len, batch)),
@@ -236,7 +239,8 @@ class FlashSpec(KernelSpec[FlashParams]):
             or max(p.block_sizes["block_k_major_dkv"], p.block_sizes["block_k_major_dq"])
             > p.block_sizes["block_k_major"]),
         # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
-        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 512 and p.values == "offset")
+        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 512 and p.values == "offset",
+    ) + bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
     # of the CI profile's strategy found none once a value kind was added, the nightly's

@@ -35,12 +35,13 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
 
-from attncheck import backends, bugclasses, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key
 from attncheck.expectations import BUG_CLASS, Contract, Shipped
-from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
+from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
+                                  accepted_keywords)
 
 FAMILY = "paged_attention"
 # (batch, q_heads, kv_heads, head_dim, page_size, pages_per_sequence): head_dim a multiple
@@ -57,6 +58,7 @@ SPARE_PAGES = 3  # pages in the pool no sequence owns: NaN
 # An explicit mask value, large enough that masked logits underflow like the default's.
 MASK_VALUE = -1e30
 SOFT_CAP = 10.0  # below the logits' spread (q.k has std sqrt(D) >= 11): it saturates
+SOFT_CAPS = (None, SOFT_CAP, 0.7, 1.0)  # and the cap's other cells: below 1, 1
 # What the slots past a length inside a read compute block hold: finite, so the additive
 # mask can hide them, and large, so that one leaking in is far off.
 TAIL_GARBAGE = 100.0
@@ -122,7 +124,7 @@ def paged_cases(draw) -> Case[PagedParams]:
         head_dim=head_dim, page_size=page_size, pages_per_sequence=pages,
         pages_per_compute_block=draw(st.sampled_from(S.divisors(pages, 1))),
         lengths=tuple(draw(lengths)), megacore_mode=draw(st.sampled_from(megacore)), inline_seq_dim=inline,
-        soft_cap=draw(st.sampled_from((None, SOFT_CAP))), values=draw(st.sampled_from(("normal", "large"))),
+        soft_cap=draw(st.sampled_from(SOFT_CAPS)), values=draw(st.sampled_from(("normal", "large"))),
         mask_value=draw(st.sampled_from((None, MASK_VALUE)))),
         draw(S.seeds))
 
@@ -197,14 +199,17 @@ class PagedSpec(KernelSpec[PagedParams]):
         # With a multiple of 8 query heads per kv head and a bf16 q the running output is kept in bf16
         # between compute blocks.
         bf16_running_output=lambda p: (p.dtype == "bfloat16" and p.groups % 8 == 0
-                                       and any(n > p.block_tokens for n in p.lengths)))
+                                       and any(n > p.block_tokens for n in p.lengths)),
+    ) + bugclasses.value_cells("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1"))
     examples = {"interpret": 8, "interpret-hazards": 3, "tpu-lower": 4, "tpu": 24}
     fixed_parameters = {
         "*_pages.weight.dtype": "quantized pages are jax's paged_attention.quantization_utils format: int8",
         "*_pages.scales.dtype": "quantization_utils' scales are float32",
         "*_pages.scales.shape[3]": "quantization_utils' scales are per token: width 1",
         "lengths.dtype": "the kernel's scalar-prefetch operands are int32",
-        "page_indices.dtype": "the kernel's scalar-prefetch operands are int32"}
+        "page_indices.dtype": "the kernel's scalar-prefetch operands are int32",
+        **parameters.outside_convention("attn_logits_soft_cap", ("negative", "zero"), SOFT_CAP_IS_POSITIVE),
+        **parameters.outside_convention("mask_value", ("*",), MASK_VALUE_UNDERFLOWS)}
     contracts = (
         Contract("bfloat16_pages", "float pages are computed with as bfloat16 (the kernel loads every page so): the "
                  "oracle and the yardstick get the pages rounded to bfloat16, the tolerance is not widened"),

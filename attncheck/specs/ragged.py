@@ -20,12 +20,13 @@ import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, bugclasses, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
+from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
+                                  accepted_keywords)
 
 FAMILY = "ragged_paged_attention"
 # The convention's array arguments, passed positionally.
@@ -58,6 +59,12 @@ HEAD_LAYOUTS = ((2, 2), (4, 2), (4, 1), (8, 1), (16, 8))
 # (query dtype, kv dtype): packed kv dtypes only with scales (they are quantized caches).
 DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
                ("bfloat16", "int8"), ("bfloat16", "float8_e4m3fn"))
+# (k_scale, v_scale): powers of two, a pair that no 8-bit float holds exactly, and each
+# scale's cells (below 1, 1, above 1) on either side.
+KV_SCALES = ((0.5, 2.0), (0.3, 1.7), (1.0, 0.7), (2.0, 1.0))
+KV_SCALE_IS_POSITIVE = "a quantization scale maps stored values back to real ones: a positive factor"
+SOFT_CAPS = (None, 5.0, 0.7, 1.0)
+SM_SCALES = (1.0, 1.7, 0.0, -0.5)  # besides 1/sqrt(head_dim): the scale's every cell
 SEQ_KINDS = ("decode", "chunked_prefill", "full_prefill", "empty")
 PADDING_KINDS = ("repeat_last", "minus_one", "garbage")
 # An explicit mask value that underflows like the default (the docstring: one that does
@@ -136,8 +143,7 @@ def ragged_cases(draw) -> Case:
         seqs.append((q_len, kv_len))
     q_dtype, kv_dtype = draw(st.sampled_from(DTYPE_PAIRS))
     packed = kv_dtype not in S.DTYPES
-    # Powers of two, and a pair that no 8-bit float holds exactly (a quantization scale).
-    scales = draw(st.sampled_from(((0.5, 2.0), (0.3, 1.7)) if packed else ((None, None), (0.5, 2.0), (0.3, 1.7))))
+    scales = draw(st.sampled_from(KV_SCALES if packed else ((None, None), *KV_SCALES)))
     window = draw(st.one_of(st.none(), st.sampled_from((1, 5, page_size * 2 + 3, capacity + 7))))
     # The kernel tiles the combined-heads axis in 32-bit words: with 4 values per word
     # (int8, fp8) 2 * num_kv_heads must be a multiple of 4 (a documented rejection).
@@ -147,8 +153,8 @@ def ragged_cases(draw) -> Case:
     return Case(FAMILY, RaggedParams(
         dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
         num_q_heads=heads[0], num_kv_heads=heads[1], seqs=tuple(seqs),
-        sliding_window=window, soft_cap=draw(st.sampled_from((None, 5.0))),
-        k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, 1.0))),
+        sliding_window=window, soft_cap=draw(st.sampled_from(SOFT_CAPS)),
+        k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, *SM_SCALES))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
         num_queries_per_block=draw(st.sampled_from((None, 8, 16, 24))),
         padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large"))),
@@ -243,6 +249,10 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         **{f"{name}.dtype": "the kernel requires int32 metadata (an invalid call pins the rejection)"
            for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")},
         "num_seqs.shape[0]": "num_seqs is one int32 by the convention",
+        **parameters.outside_convention("soft_cap", ("negative", "zero"), SOFT_CAP_IS_POSITIVE),
+        **parameters.outside_convention("k_scale", ("negative", "zero"), KV_SCALE_IS_POSITIVE),
+        **parameters.outside_convention("v_scale", ("negative", "zero"), KV_SCALE_IS_POSITIVE),
+        **parameters.outside_convention("mask_value", ("*",), MASK_VALUE_UNDERFLOWS),
     }
     params_type = RaggedParams
     directions = {"out": ("token", "q_head", "dim")}
@@ -288,7 +298,11 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         partial_last_q_block=lambda p: p.num_queries_per_block is not None
         and p.shapes.max_tokens % p.num_queries_per_block != 0,
         compact_layout=lambda p: p.layout == "compact",
-        explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p))
+        explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p),
+    ) + (bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
+         + bugclasses.value_cells("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1"))
+         + bugclasses.value_cells("k_scale", lambda p: p.k_scale, ("in (0, 1)", "one", "above 1"))
+         + bugclasses.value_cells("v_scale", lambda p: p.v_scale, ("in (0, 1)", "one", "above 1")))
     examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
     contracts = (
         Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "
@@ -382,8 +396,8 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         k, v = kv[:, 0::2], kv[:, 1::2]
         k_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, p.k_scale)
         v_dt = _kv_compute_dtype(q_dt, inputs["kv_pages"].dtype, p.v_scale)
-        k = (k * (p.k_scale or 1.0)).astype(k_dt)
-        v = (v * (p.v_scale or 1.0)).astype(v_dt)
+        k = (k * (1.0 if p.k_scale is None else p.k_scale)).astype(k_dt)
+        v = (v * (1.0 if p.v_scale is None else p.v_scale)).astype(v_dt)
         visible = yardstick.visibility(q_pos, kv_pos, causal=True, window=p.sliding_window,
                                       q_segment_ids=seq_of_token[None], kv_segment_ids=seq_of_key[None])
         queries = np.nan_to_num(inputs["queries"]).transpose(1, 0, 2)[None]

@@ -26,7 +26,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from attncheck import backends, bugclasses, oracle, yardstick
+from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -44,8 +44,11 @@ BIAS_KINDS = ("none", "full", "key_padding", "batch_keys", "neg_inf_rows")
 SEGMENT_KINDS = ("none", "packed", "absent")
 # Bias of the padded keys in "key_padding": soft, so no row becomes fully masked by it.
 KEY_PADDING_BIAS = -30.0
-DROPOUT_RATES = (0.0, 0.25, 0.5)
+DROPOUT_RATES = (0.0, 0.25, 0.3, 0.5)  # 0.3: a keep scale 1 / 0.7 that rounds
 EXPLICIT_SM_SCALE = 0.3
+# Every cell of the scale (a hide value times a negative or zero scale stops hiding; 1 a
+# multiply a kernel may skip); None is the kernel's default 1/sqrt(head_dim).
+SM_SCALES = (None, EXPLICIT_SM_SCALE, 1.0, 1.7, 0.0, -0.5)
 # How the devices are named: by count (the kernel's own mesh and axis name), by count with
 # an axis name, or by a mesh of our own.
 PLACEMENTS = ("count", "named_axis", "mesh")
@@ -84,7 +87,7 @@ class RingParams(Params):
 
     @property
     def scale(self) -> float:
-        return self.sm_scale or self.head_dim ** -0.5
+        return self.head_dim ** -0.5 if self.sm_scale is None else self.sm_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +135,16 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
                                       or [min(per_device_lens())]))
     seq = per_device * devices
     segments = draw(st.sampled_from(SEGMENT_KINDS))
+    sm_scale, bias = draw(st.sampled_from(SM_SCALES)), draw(st.sampled_from(BIAS_KINDS))
+    if params_type is FlashRingParams and sm_scale == 0.0:
+        bias = "none"  # the ring flash kernel takes the bias as bias / sm_scale: 0 is an invalid call
     params = dict(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), devices=devices, seq_len=seq, per_device=per_device,
         heads=draw(st.sampled_from((1, 2))), head_dim=draw(st.sampled_from(head_dims())), causal=draw(st.booleans()),
-        bias=draw(st.sampled_from(BIAS_KINDS)), segments=segments,
+        bias=bias, segments=segments,
         segment_starts=draw(S.segment_layout(seq)) if segments != "none" else (),
         float32_logits=draw(st.booleans()), values=draw(st.sampled_from(S.VALUE_KINDS)),
-        batch=draw(st.sampled_from((1, 2))), sm_scale=draw(st.sampled_from((None, EXPLICIT_SM_SCALE))),
+        batch=draw(st.sampled_from((1, 2))), sm_scale=sm_scale,
         placement=draw(st.sampled_from(PLACEMENTS)), check_vma=draw(st.booleans()),
         single_segment_ids=segments == "packed" and draw(st.booleans()),
         segment_dtype=draw(st.sampled_from(("int32", "int16"))) if segments != "none" else "int32",
@@ -176,7 +182,8 @@ RING_CLASSES = bugclasses.bug_classes(
     bias_neg_inf_rows=lambda p: p.bias == "neg_inf_rows",
     batch_gt_1=lambda p: p.batch > 1 and p.devices > 1,
     bias_per_batch_element=lambda p: p.bias == "batch_keys" and p.batch > 1,
-    devices_from_a_mesh=lambda p: p.placement == "mesh" and p.devices > 1)
+    devices_from_a_mesh=lambda p: p.placement == "mesh" and p.devices > 1,
+) + bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
 
 
 def _minor_kv_blocks(p: FlashRingParams) -> tuple[str, str] | None:
@@ -381,7 +388,11 @@ class BlockwiseRingSpec(RingSpec):
         # that chunk, the first one computed for it: its running max is still -inf there,
         # and only a guarded online softmax survives to the keys it does see.
         segment_after_first_key_chunk=lambda p: p.segments == "packed" and any(
-            s % p.per_device >= p.key_chunk_size for s in p.segment_starts[1:]))
+            s % p.per_device >= p.key_chunk_size for s in p.segment_starts[1:]),
+    ) + bugclasses.value_cells("dropout_rate", lambda p: p.dropout_rate, ("zero", "in (0, 1)", "not a power of two"))
+    fixed_parameters = {**RingSpec.fixed_parameters, **parameters.outside_convention(
+        "attn_pdrop", ("negative", "one", "above 1"),
+        "a dropout rate is a probability below 1 (at 1 the keep scale 1 / (1 - rate) divides by zero)")}
 
     def inputs(self, case):
         p = case.params
@@ -464,7 +475,11 @@ class RingFlashSpec(RingSpec):
         # the block skipping adds a block offset to the ring step's chunk offset.
         causal_ring_kv_blocks_in_chunk=lambda p: (p.causal and p.device_count > 1 and bool(p.flash_blocks)
                                                   and dict(p.flash_blocks)["block_k_major"] < p.per_device),
-        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.seq_len >= 512 and p.values == "offset")
+        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.seq_len >= 512 and p.values == "offset",
+        # A forward tile over several batch elements, and a dkv pass whose kv blocks are
+        # wider than a lane tile: block fields the draws otherwise leave at one value.
+        flash_block_over_batch=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_b"] > 1,
+        wide_dkv_kv_blocks=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_dkv"] > NUM_LANES)
 
     def call(self, impl, p: FlashRingParams):
         blocks = {"block_sizes": _block_sizes_type(impl)(**dict(p.flash_blocks))} if p.flash_blocks else {}

@@ -37,7 +37,7 @@ from attncheck.cases import Case
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import BUG_CLASS, INVALID_CALL, Contract, Shipped
 from attncheck.specs import splash_blocks as blocks
-from attncheck.specs.base import InvalidCall, KernelSpec
+from attncheck.specs.base import MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec
 from attncheck.specs.splash_cases import FAMILY, NUM_LANES, SplashParams, splash_cases
 from attncheck.specs.splash_masks import build
 
@@ -105,7 +105,8 @@ class SplashSpec(KernelSpec[SplashParams]):
         forward_nan_rows_reach_backward=bugclasses.Touching(blocks.forward_nan_rows_reach_backward,
                                                             blocks.nan_backward),
         q_seq_shards_without_partial_blocks=blocks.q_seq_shards_without_partial_blocks,
-        q_seq_shard_without_keys=blocks.q_seq_shard_without_keys)
+        q_seq_shard_without_keys=blocks.q_seq_shard_without_keys,
+    ) + bugclasses.value_cells("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1"))
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     fixed_parameters = {
         "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "
@@ -114,7 +115,9 @@ class SplashSpec(KernelSpec[SplashParams]):
                      "settings); interpret=True would bypass them",
         "save_residuals": "returns the forward's logsumexp residuals besides the output: not part of the "
                           "convention's output, not judged",
-        "residual_checkpoint_name": "a name for jax.checkpoint policies: changes no value"}
+        "residual_checkpoint_name": "a name for jax.checkpoint policies: changes no value",
+        **parameters.outside_convention("attn_logits_soft_cap", ("negative", "zero"), SOFT_CAP_IS_POSITIVE),
+        **parameters.outside_convention("mask_value", ("*",), MASK_VALUE_UNDERFLOWS)}
     contracts = (Contract("unseeing_rows_undefined", "a query that sees no key is undefined (the mean of v over the "
                           "kv blocks its q block visits, or NaN): its output is don't-care, its cotangent zero, and "
                           "nothing may leak into other rows"),)

@@ -28,6 +28,7 @@ SHAPES = (
 # A soft cap the logits (q pre-scaled by 1/sqrt(D): standard deviation 1, or 16 for "large"
 # values) reach, so that a wrong cap changes the result.
 SOFT_CAP = 3.0
+SOFT_CAPS = (None, SOFT_CAP, 0.7, 1.0)  # and the cap's other cells: below 1, 1
 LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 # An explicit mask value: masked logits still underflow (a fully masked row is don't-care).
 MASK_VALUE = -1e30
@@ -104,7 +105,7 @@ def splash_cases(draw) -> Case[SplashParams]:
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), api=api, heads=heads, kv_heads=kv_heads, q_len=q_len,
         kv_len=kv_len, head_dim=head_dim, v_head_dim=v_head_dim, masks=masks, segments=segments,
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
-        soft_cap=draw(st.sampled_from((None, SOFT_CAP))),
+        soft_cap=draw(st.sampled_from(SOFT_CAPS)),
         blocks=draw(block_sizes(q_len // q_seq_shards, kv_len, fused)), fused_bwd=fused,
         head_shards=head_shards, q_seq_shards=q_seq_shards, values=draw(st.sampled_from(S.VALUE_KINDS)),
         downcast_smem_data=draw(st.booleans()), mask_value=draw(st.sampled_from((None, MASK_VALUE))),

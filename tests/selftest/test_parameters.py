@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attncheck import compiled, parameters
-from attncheck.report import merge
+from attncheck.report import merge, parameter_coverage
 from attncheck.report.policy import Policy
 from attncheck.report import records as rec
 from tests.selftest import harness, test_report
@@ -104,18 +104,70 @@ def test_an_enum_value_is_a_value_not_a_presence_marker():
     found = parameters.record(lambda fn: fn(np.zeros(2), layout=Layout.SEQ_MINOR),
                               lambda x, *, layout=Layout.HEAD_DIM_MINOR: x)
     assert found["layout"] == "Layout.SEQ_MINOR"
-    counts = parameters.table([("f", found), ("f", found)])
-    assert "layout (always Layout.SEQ_MINOR)" in parameters.unvaried(counts, {})["f"]
+    counts = parameter_coverage.table([("f", found), ("f", found)])
+    assert "layout (always Layout.SEQ_MINOR)" in parameter_coverage.unvaried(counts, {})["f"]
 
 
 def test_a_parameter_that_kept_one_value_is_unvaried_unless_declared_fixed():
-    counts = parameters.table([("f", {"a": "1", "b": "x", "q.shape[0]": "2", "q": "<array>", "s": "<traced>"}),
+    counts = parameter_coverage.table([("f", {"a": "1", "b": "x", "q.shape[0]": "2", "q": "<array>", "s": "<traced>"}),
                                ("f", {"a": "2", "b": "x", "q.shape[0]": "2", "q": "<array>", "s": "<traced>"})])
     assert counts["f"]["a"].cases == {"1": 1, "2": 1} and not counts["f"]["b"].varied
-    assert parameters.unvaried(counts, {}) == {"f": ["b (always x)", "q.shape[0] (always 2)"]}
-    assert parameters.unvaried(counts, {"f": {"*.shape[0]": "batch fixed"}}) == {"f": ["b (always x)"]}
-    assert parameters.fixed_reason("q.shape[0]", {"q.shape[*]": "batch fixed"}) == "batch fixed"
-    assert parameters.fixed_reason("q.shape[1]", {"q.shape[0]": "only axis 0"}) is None  # brackets are literal
+    assert parameter_coverage.unvaried(counts, {}) == {"f": ["b (always x)", "q.shape[0] (always 2)"]}
+    assert parameter_coverage.unvaried(counts, {"f": {"*.shape[0]": "batch fixed"}}) == {"f": ["b (always x)"]}
+    assert parameter_coverage.fixed_reason("q.shape[0]", {"q.shape[*]": "batch fixed"}) == "batch fixed"
+    assert parameter_coverage.fixed_reason("q.shape[1]", {"q.shape[0]": "only axis 0"}) is None  # brackets are literal
+
+
+@pytest.mark.parametrize("value, cells", [
+    ("-0.3", ("negative", "not a power of two")), ("-0.5", ("negative",)), ("0.0", ("zero",)),
+    ("0.125", ("in (0, 1)",)), ("0.3", ("in (0, 1)", "not a power of two")), ("1.0", ("one",)),
+    ("1.7", ("above 1", "not a power of two")), ("-1e+30", ("negative", "not a power of two")),
+    ("None", ()), ("<default>", ()), ("inf", ()), ("float32", ()),
+])
+def test_a_real_value_falls_in_its_cells(value, cells):
+    assert parameters.number_cells(value) == cells
+
+
+def test_a_real_parameter_must_reach_every_cell_unless_declared_outside_the_convention():
+    counts = parameter_coverage.table([("f", {"scale": v, "block": b, "cap": c})
+                               for v, b, c in (("0.3", "128", "None"), ("1.0", "256", "2.0"), ("-0.5", "512", "0.7"))])
+    assert not parameter_coverage.real_valued(counts["f"]["block"])  # sizes are written as integers
+    assert parameter_coverage.cells(counts["f"]["scale"]) == {"negative": 1, "zero": 0, "in (0, 1)": 1, "one": 1,
+                                                      "above 1": 0, "not a power of two": 1}
+    assert parameter_coverage.unreached(counts, {}) == {"f": ["cap negative", "cap zero", "cap one", "scale zero",
+                                                      "scale above 1"]}
+    declared = {**parameters.outside_convention("cap", ("negative", "zero"), "a cap is positive"),
+                **parameters.outside_convention("scale", ("*",), "any")}
+    assert parameter_coverage.unreached(counts, {"f": declared}) == {"f": ["cap one"]}
+    assert parameter_coverage.unreached(counts, {"f": {"cap": "kept at one value", "scale=*": "any"}}) == {}
+    with pytest.raises(ValueError, match="cells \\['positive'\\]"):
+        parameters.outside_convention("cap", ("positive",), "")
+
+
+def test_value_cell_classes_reach_their_cells_and_name_them():
+    from attncheck import bugclasses
+
+    classes = bugclasses.value_cells("sm_scale", lambda p: p, ("negative", "in (0, 1)", "not a power of two"))
+    assert [c.name for c in classes] == ["sm_scale_negative", "sm_scale_in_0_1", "sm_scale_not_a_power_of_two"]
+    assert [[c.applies(v) for v in (-0.5, 0.25, 0.3, None)] for c in classes] == [
+        [True, False, False, False], [False, True, True, False], [False, False, True, False]]
+    with pytest.raises(ValueError, match="value_cells\\('sm_scale'\\)"):
+        bugclasses.value_cells("sm_scale", lambda p: p, ("small",))
+
+
+def test_an_unreached_cell_is_a_coverage_problem_named_in_the_report(tmp_path):
+    writer = rec.RecordWriter(tmp_path, test_report.RUN_ID, "main")
+    for case, scale in (("c0", "0.5"), ("c1", "-1.5")):
+        writer.write(dataclasses.replace(test_report.record(case), parameters={"scale": scale}))
+    report = merge.merge(tmp_path, test_report.RUN_ID, merge.RunOutcome(complete=True),
+                         Policy(applicable={"toy_attention": ()}, require_coverage=True,
+                                fixed_parameters={"toy_attention": {"scale=zero": "no zero scale"}}))
+    assert report.problems == ["value coverage: toy_attention never drew scale one, scale above 1"]
+    from attncheck.report import render
+
+    text = "\n".join(render.render_parameters_markdown(report))
+    assert ("<code>scale</code>, cases per cell: negative 1, zero 0 (outside the convention: no zero scale), in (0, 1) 1, "
+            "**one 0**, **above 1 0**, not a power of two 1") in text
 
 
 def test_the_probe_lives_in_the_implementations_module_under_its_own_name():
