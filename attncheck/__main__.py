@@ -7,6 +7,7 @@ Every bad or missing input ends in one line naming it and a non-zero exit, never
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
@@ -87,6 +88,26 @@ def _gate_help() -> int:
     return 0
 
 
+def _values_joined(extra: list[str]) -> list[str]:
+    """attncheck's options with their values joined by '=': pytest picks its root directory
+    from the command line's paths before it knows a plugin's options, so a value given apart
+    (``--attncheck-report DIR``) counts as a path there, and the run (its xdist workers
+    too) takes DIR for the project: the project's pyproject.toml, with its table of
+    declared deviations, goes unread."""
+    from attncheck.pytest_plugin import FLAG_OPTIONS
+
+    out, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg.startswith("--attncheck-") and "=" not in arg and arg not in FLAG_OPTIONS and i + 1 < len(extra):
+            out.append(f"{arg}={extra[i + 1]}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def cmd_gate(args, extra: list[str]) -> int:
     """The gate, as ``pytest --pyargs attncheck.gate`` with the CI defaults; extra
     arguments go to pytest (more test paths, -k, --attncheck-impl, ...)."""
@@ -94,7 +115,7 @@ def cmd_gate(args, extra: list[str]) -> int:
         return _gate_help()
     profile = [] if any(a.startswith("--hypothesis-profile") for a in extra) else ["--hypothesis-profile=ci"]
     command = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "--attncheck", *profile,
-               *_at_least_one_worker(extra)]
+               *_at_least_one_worker(_values_joined(extra))]
     rc = subprocess.call(command)
     if rc == 5:  # pytest's "no tests collected": the report says NO CASES; the exit says failure
         print("attncheck gate: no tests were collected", file=sys.stderr)
@@ -337,8 +358,9 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
     """((family, implementation, kind, name) of each deviation that explains the run's
     failures, lines for the failing cases none explains). A failing case is explained by a
     contract whose elements alone hold each of its failing comparisons, else by a bug class
-    of it that no passing case of the implementation has (fewest classes first); a failing
-    invalid call by its own entry."""
+    of it that no case passing the numerics has (a lowering-only pass says nothing of them),
+    the most specific first: the class in the fewest cases, so that one broad entry does not
+    excuse every case it touches; a failing invalid call by its own entry."""
     from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL
 
     wanted = lambda family, ref: family not in only or only[family] == ref  # noqa: E731
@@ -348,14 +370,17 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
         if not wanted(r["kernel"], r["impl_ref"]):
             continue
         key = (r["kernel"], r["impl_ref"], r["case_id"])
-        case = cases.setdefault(key, {"classes": set(r["classes"]), "failing": []})
+        case = cases.setdefault(key, {"classes": set(r["classes"]), "failing": [], "numerics": False})
         case["excused"] = case.get("excused", False) or "expected" in r  # declared already: neither way
+        case["numerics"] = case["numerics"] or r.get("metrics") is not None
         if r["outcome"] != "pass" and "expected" not in r:
             case["failing"].append(r)
-    passing = {}
+    passing, occurrences = {}, collections.Counter()
     for (family, ref, _), case in cases.items():
-        if not case["failing"] and not case["excused"]:
+        if not case["failing"] and not case["excused"] and case["numerics"]:
             passing.setdefault((family, ref), set()).update(case["classes"])
+        if case["failing"] or case["numerics"]:
+            occurrences.update((family, ref, name) for name in case["classes"])
     failing = {key: case for key, case in cases.items() if case["failing"]}
     undeclarable = []
     unexplained: dict[tuple, dict] = {}
@@ -372,7 +397,7 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
                 candidates.setdefault((key[0], key[1], name), set()).add(key)
         if not candidates:
             break
-        best = max(sorted(candidates), key=lambda c: len(candidates[c]))
+        best = min(sorted(candidates), key=lambda c: (occurrences[c], -len(candidates[c])))
         found.append((best[0], best[1], BUG_CLASS, best[2]))
         for key in candidates[best]:
             del unexplained[key]

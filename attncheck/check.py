@@ -273,12 +273,7 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
             raise TypeError(f"the spec's evaluate() returned {type(got).__name__}, expected a dict of directions")
     except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
         record = _error(base, "all", exc, timings, interpreted=target.backend.interprets)
-        # A crash is expected only where a declared deviation may touch the whole case.
-        whole = [e.id for e in target.expected if _applies(e, base) and e.kind == BUG_CLASS
-                 and spec.deviation_elements(e, case, inputs) is None]
-        if whole:
-            record = dataclasses.replace(record, deviations=dict.fromkeys(whole, True), expected=" ".join(whole))
-        return Outcome([record], fatal=timeout_in(exc))
+        return Outcome([_expected_if_whole(record, target, case, inputs)], fatal=timeout_in(exc))
     with timings.phase("oracle"):
         truth = spec.oracle(case, inputs)
     with timings.phase("yardstick", compiles=True):
@@ -402,13 +397,25 @@ def _without(care: dict[str, np.ndarray | None], dropped: dict[str, np.ndarray])
     return {**care, **{d: ~mask if care.get(d) is None else care[d] & ~mask for d, mask in dropped.items()}}
 
 
+def _expected_if_whole(record: Record, target: Target, case: Case, inputs) -> Record:
+    """A crash, or a kernel that does not lower, is expected only where a declared
+    deviation may touch the whole case (a bug class without elements of its own)."""
+    whole = [e.id for e in target.expected if _applies(e, record) and e.kind == BUG_CLASS
+             and target.spec.deviation_elements(e, case, inputs) is None]
+    if not whole or record.passed:
+        return record
+    return dataclasses.replace(record, deviations=dict.fromkeys(whole, True), expected=" ".join(whole))
+
+
 def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
     records = []
+    inputs = target.spec.inputs(case)
     try:
-        base = dataclasses.replace(base, parameters=target.spec.parameters(target.impl, case, target.spec.inputs(case)))
+        base = dataclasses.replace(base, parameters=target.spec.parameters(target.impl, case, inputs))
         exports = target.spec.lower(target.impl, case)
     except Exception as exc:  # noqa: BLE001
-        return Outcome([_error(base, "all", exc, {})], fatal=timeout_in(exc))
+        record = _error(base, "all", exc, {})
+        return Outcome([_expected_if_whole(record, target, case, inputs)], fatal=timeout_in(exc))
     for direction, export in exports.items():
         start = time.perf_counter()
         try:
@@ -416,6 +423,7 @@ def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
             outcome, reason, trace = "pass", "lowered for platform tpu", None
         except Exception as exc:  # noqa: BLE001 - the kernel does not lower: a failing record
             outcome, reason, trace = "fail", error_text(exc), traceback.format_exc(limit=8)
-        records.append(Record(**dataclasses.asdict(base), direction=direction, outcome=outcome, reason=reason,
-                              traceback=trace, timings={"lower_s": time.perf_counter() - start}))
+        record = Record(**dataclasses.asdict(base), direction=direction, outcome=outcome, reason=reason,
+                        traceback=trace, timings={"lower_s": time.perf_counter() - start})
+        records.append(_expected_if_whole(record, target, case, inputs))
     return Outcome(records)

@@ -35,6 +35,9 @@ BUG_CLASS, INVALID_CALL, CONTRACT = "bug_class", "invalid_call", "contract"
 KINDS = (BUG_CLASS, INVALID_CALL, CONTRACT)
 # How a deviation stood in a run.
 OCCURS, STALE, NOT_EXERCISED = "occurs", "stale", "not exercised"
+# An entry for an implementation the run did not verify (a table naming a kernel by the
+# module it was copied from, or another implementation of the family).
+NOT_UNDER_TEST = "not under test"
 SHIPPED = "shipped with the family"
 DEFAULT_TABLE = "pyproject.toml"
 

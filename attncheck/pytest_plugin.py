@@ -29,6 +29,10 @@ if TYPE_CHECKING:  # the run imports jax: only an attncheck session loads it
 GATE_PACKAGE = "attncheck.gate"
 GATE_DIR = pathlib.Path(__file__).resolve().parent / "gate"
 # ------------------------------------------------------------------ options
+# attncheck's options that take no value; every other --attncheck-* option takes one.
+FLAG_OPTIONS = ("--attncheck", "--attncheck-only-spec", "--attncheck-require-coverage")
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("attncheck")
     group.addoption("--attncheck", action="store_true", default=False,

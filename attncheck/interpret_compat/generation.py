@@ -6,16 +6,18 @@ honours ``jax.sharding.use_abstract_mesh`` (Mosaic lowering, ``tpu-lower``), but
 jax's bundled kernels read ``jax.devices()[0].device_kind`` directly (ragged paged
 attention's tuned block sizes: ``tuned_block_sizes.py`` ``get_tpu_version``/
 ``get_device_name``), which on CPU says "cpu" and makes default block sizes raise ``TPU
-version must be 4 or higher``. Inside the block, those modules (``DEVICE_KIND_READERS``) see
-``jax.devices()`` whose devices report the emulated ``device_kind``; their own code runs
-unchanged. Nothing else in jax is touched (an abstract mesh is not entered: it would nest
-the CPU meshes of ``shard_map`` kernels).
+version must be 4 or higher``. Inside the block, those modules (``DEVICE_KIND_READERS``, and
+any loaded copy of them: a module with jax's ``jax`` and one of ``READER_FUNCTIONS``, such
+as a team's fork of ragged paged attention) see ``jax.devices()`` whose devices report the
+emulated ``device_kind``; their own code runs unchanged. Nothing else in jax is touched (an
+abstract mesh is not entered: it would nest the CPU meshes of ``shard_map`` kernels).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Iterator
 
 from attncheck.interpret_compat.install import _lock
@@ -26,6 +28,22 @@ DEVICE_KIND_READERS = (
     "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes",
     "jax.experimental.pallas.ops.tpu.megablox.common",
 )
+# The functions by which those modules ask: a loaded module that defines one and holds jax
+# as ``jax`` is a copy of one of them.
+READER_FUNCTIONS = ("get_tpu_version", "get_device_name", "tpu_kind")
+
+
+def _readers(jax_module) -> list:
+    """jax's reader modules and every loaded copy of them."""
+    modules = []
+    for name in DEVICE_KIND_READERS:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    copies = [m for m in list(sys.modules.values()) if getattr(m, "jax", None) is jax_module
+              and any(callable(getattr(m, f, None)) for f in READER_FUNCTIONS)]
+    return list(dict.fromkeys(modules + copies))
 
 
 class _EmulatedDevice:
@@ -70,11 +88,7 @@ def emulated_tpu(device_kind: str | None) -> Iterator[None]:
 
     saved = []
     with _lock:
-        for name in DEVICE_KIND_READERS:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
+        for module in _readers(jax):
             if hasattr(module, "jax"):
                 saved.append((module, module.jax))
                 module.jax = _JaxWithEmulatedDevices(jax, device_kind)

@@ -101,9 +101,10 @@ def _judge_whole_run(records: list[rec.Record], invalid_calls: list[InvalidCallO
                   "(attncheck.parameters), so their parameters are unknown"
                   for kernel, n in unprobed(records).items()]
     deviations = deviation_statuses(records, invalid_calls, policy.expectations)
-    holes += [f"stale expectation: {d.entry.describe()} ({d.entry.source}) no longer deviates: all {d.cases} "
-              f"{'calls' if d.entry.kind == 'invalid_call' else 'cases'} that exercised it passed; the kernel was "
-              "fixed, remove the entry" for d in deviations if d.status == STALE]
+    holes += [f"stale expectation: {d.entry.describe()} ({d.entry.source}) no longer deviates: none of the {d.cases} "
+              f"{'calls' if d.entry.kind == 'invalid_call' else 'cases'} that exercised it deviated, beyond what "
+              "entries shown alone elsewhere explain; the kernel was fixed, remove the entry"
+              for d in deviations if d.status == STALE]
     regressions, differences = None, []
     if policy.accepted_budgets:
         regressions, differences = accepted.judge(summarize(records), accepted.read(pathlib.Path(policy.accepted_budgets)),

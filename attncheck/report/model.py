@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from attncheck import interpret_compat
 from attncheck.env import Platform
-from attncheck.expectations import INVALID_CALL, NOT_EXERCISED, OCCURS, STALE, Expectation
+from attncheck.expectations import INVALID_CALL, NOT_EXERCISED, NOT_UNDER_TEST, OCCURS, STALE, Expectation
 from attncheck.report import coverage_table, parameter_coverage
 from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record, target_id
@@ -107,22 +107,35 @@ class DeviationStatus:
 def deviation_statuses(records: list[Record], invalid_calls: list[InvalidCallOutcome],
                        entries: tuple[Expectation, ...]) -> list[DeviationStatus]:
     """Each declared deviation's status over a whole run's records and invalid calls, for the
-    families the run verified."""
+    families the run verified. A case whose failure several declared deviations may explain
+    (a crash touches the whole case) is evidence for one of them only if no other of them
+    is confirmed, i.e. shown somewhere alone: an entry all of whose failing cases another,
+    confirmed entry explains has shown nothing of its own, and is stale."""
     verified = {r.kernel for r in records} | {c.family for c in invalid_calls}
+    exercised: dict[tuple, set[str]] = defaultdict(set)  # (kernel, impl, case, backend) -> entries
+    shown_in: dict[tuple, set[str]] = defaultdict(set)
+    for r in records:
+        key = (r.kernel, r.impl_ref, r.case_id, r.backend)
+        for entry_id, shown in (r.deviations or {}).items():
+            exercised[key].add(entry_id)
+            if shown:
+                shown_in[key].add(entry_id)
+    confirmed = {next(iter(ids)) for ids in shown_in.values() if len(ids) == 1}
+    tested = {(r.kernel, r.impl_ref) for r in records} | {(c.family, c.impl_ref) for c in invalid_calls}
     out = []
     for entry in (e for e in entries if e.family in verified):
+        if (entry.family, entry.implementation) not in tested:
+            out.append(DeviationStatus(entry, NOT_UNDER_TEST, 0, 0))
+            continue
         if entry.kind == INVALID_CALL:
             calls = [c for c in invalid_calls if (c.family, c.impl_ref, c.call) ==
                      (entry.family, entry.implementation, entry.name)]
             cases, shown = len(calls), sum(c.outcome == "expected" for c in calls)
             stale = any(c.outcome == "stale" for c in calls)
         else:
-            seen: dict[tuple, bool] = {}
-            for r in records:
-                if r.deviations and entry.id in r.deviations and r.kernel == entry.family:
-                    key = (r.case_id, r.backend)
-                    seen[key] = seen.get(key, False) or r.deviations[entry.id]
-            cases, shown = len(seen), sum(seen.values())
+            keys = [key for key, ids in exercised.items() if entry.id in ids and key[0] == entry.family]
+            cases = len(keys)
+            shown = sum(entry.id in shown_in[key] and not (shown_in[key] - {entry.id}) & confirmed for key in keys)
             stale = cases > 0 and shown == 0
         status = NOT_EXERCISED if cases == 0 else STALE if stale else OCCURS
         out.append(DeviationStatus(entry, status, cases, shown))

@@ -4,6 +4,8 @@ names nothing fail loudly."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -62,6 +64,62 @@ def test_an_entry_whose_deviation_no_longer_occurs_fails_the_gate(gate_dir, pyte
     stale = sorted(p for p in report["problems"] if p.startswith("stale expectation"))
     assert len(stale) == 2 and "bug class causal" in stale[0] and "invalid call rank" in stale[1], report["problems"]
     assert {d["entry"]["name"]: d["status"] for d in report["deviations"]} == {"causal": "stale", "rank": "stale"}
+
+
+def test_attncheck_gate_reads_the_projects_table_with_option_values_given_apart(gate_dir, tmp_path_factory):
+    """pytest picks its root directory from the command line's paths before it knows
+    attncheck's options: ``--attncheck-report DIR`` (an existing directory outside the
+    project) made DIR the project in every worker, and the pyproject.toml table went unread
+    (the run failed on the deviations it declares)."""
+    (gate_dir / "pyproject.toml").write_text(expectations.toml([
+        Expectation("toy_attention", DEVIATES, BUG_CLASS, "causal", "scales causal rows twice"),
+        Expectation("toy_attention", DEVIATES, INVALID_CALL, "kv_head_dim", "accepts it")], pyproject=True))
+    reports = tmp_path_factory.mktemp("reports")  # an earlier run's
+    proc = harness.cli(gate_dir, "gate", *harness.GATE_ARGS[2:], "--attncheck-impl", f"toy_attention={DEVIATES}",
+                       "--attncheck-report", str(reports), "-n", "1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert f"rootdir: {gate_dir}" in proc.stdout
+    assert harness.load_report(reports)["verdict"] == "PASS"
+
+
+def _status(*cases):
+    """Each declared deviation's status over records of these (case, {entry: shown}) pairs."""
+    from attncheck.report import model
+    from tests.selftest import test_report
+
+    records = [dataclasses.replace(test_report.record(case, outcome="fail" if any(marks.values()) else "pass"),
+                                   deviations=marks) for case, marks in cases]
+    entries = tuple(Expectation("toy_attention", "pkg.mod:fn", BUG_CLASS, name, "r") for name in ("causal", "bf16"))
+    ids = {e.name: e.id for e in entries}
+    records = [dataclasses.replace(r, deviations={ids[n]: shown for n, shown in r.deviations.items()})
+               for r in records]
+    return {d.entry.name: (d.status, d.shown) for d in model.deviation_statuses(records, [], entries)}
+
+
+def test_an_entry_whose_failing_cases_a_confirmed_entry_explains_is_stale():
+    """A crash marks every whole-case entry of its case: an entry that never fails alone,
+    where another shows alone elsewhere, has shown nothing of its own."""
+    assert _status(("f32", {"causal": True}), ("bf16", {"causal": True, "bf16": True}),
+                   ("bf16 plain", {"bf16": False})) == {"causal": ("occurs", 2), "bf16": ("stale", 0)}
+    # Where no entry shows alone, a case cannot tell them apart: both stand.
+    assert _status(("bf16", {"causal": True, "bf16": True})) == {"causal": ("occurs", 1), "bf16": ("occurs", 1)}
+
+
+def test_init_declares_the_class_that_fails_wherever_it_occurs_and_ignores_lowering():
+    from attncheck.__main__ import _deviations_of
+
+    def rec(case, outcome, classes, *, numerics=True):
+        return {"kernel": "f", "impl_ref": "m:f", "case_id": case, "classes": classes, "outcome": outcome,
+                "metrics": {} if numerics else None, "repro": f"attncheck repro {case}"}
+
+    # Every case fails: "broad" is in all of them and would explain them in one entry that
+    # hides whatever else breaks them; "narrow" and "lowered" each in two (a lowering-only
+    # pass of "lowered" proves nothing about its numerics).
+    records = [rec("c1", "fail", ["broad", "narrow", "lowered"]), rec("c2", "fail", ["broad", "narrow"]),
+               rec("c4", "pass", ["lowered"], numerics=False), rec("c5", "fail", ["broad", "lowered"])]
+    found, undeclarable = _deviations_of({"records": records}, {})
+    assert sorted(found) == [("f", "m:f", BUG_CLASS, "lowered"), ("f", "m:f", BUG_CLASS, "narrow")], found
+    assert undeclarable == []
 
 
 @pytest.mark.parametrize("entry, message", [

@@ -49,6 +49,20 @@ def test_emulated_tpu_answers_the_generation_and_is_undone_on_exit():
     assert tuned_block_sizes.get_tpu_version() == -1
 
 
+def test_a_copy_of_jaxs_block_size_tables_sees_the_emulated_tpu_too(monkeypatch):
+    """A team's fork of ragged paged attention carries its own tuned_block_sizes module; its
+    default block sizes must work in interpret mode as jax's do."""
+    import types
+
+    copy = types.ModuleType("forked_rpa.tuned_block_sizes")
+    copy.jax = jax
+    copy.get_tpu_version = lambda: int(copy.jax.devices()[0].device_kind.split("v")[-1].split()[0])
+    monkeypatch.setitem(sys.modules, copy.__name__, copy)
+    with ic.emulated_tpu("TPU v6 lite"):
+        assert copy.get_tpu_version() == 6
+    assert copy.jax is jax
+
+
 def test_emulated_tpu_is_undone_when_the_block_raises_and_nests():
     with pytest.raises(RuntimeError), ic.emulated_tpu("TPU v5 lite"):
         with ic.emulated_tpu("TPU v6 lite"):
