@@ -390,6 +390,8 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
             found.append((key[0], key[1], CONTRACT, sorted(contracts)[0]))
         else:
             unexplained[key] = case
+    declarable = dict(unexplained)
+    picked: list[tuple] = []
     while unexplained:
         candidates: dict[tuple, set] = {}
         for key, case in unexplained.items():
@@ -398,15 +400,31 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
         if not candidates:
             break
         best = min(sorted(candidates), key=lambda c: (occurrences[c], -len(candidates[c])))
-        found.append((best[0], best[1], BUG_CLASS, best[2]))
+        picked.append(best)
         for key in candidates[best]:
             del unexplained[key]
+    found += [(family, ref, BUG_CLASS, name) for family, ref, name in _without_redundant(picked, declarable)]
     undeclarable += [f"{family} / {ref}: case {case_id} fails, and each of its bug classes also passes elsewhere "
                      f"({', '.join(sorted(case['classes'])) or 'it has none'}): a bug no entry describes "
                      f"(reproduce: {case['failing'][0]['repro']})" for (family, ref, case_id), case in unexplained.items()]
     found += [(c["family"], c["impl_ref"], INVALID_CALL, c["call"]) for c in report.get("invalid_calls", [])
               if c["outcome"] == "failed" and wanted(c["family"], c["impl_ref"])]
     return list(dict.fromkeys(found)), undeclarable
+
+
+def _without_redundant(picked: list[tuple], failing: dict[tuple, dict]) -> list[tuple]:
+    """The picked classes less each one the gate would call stale on these cases: one all of
+    whose failing cases another pick explains that explains some case alone (the gate's
+    rule, ``report.model.deviation_statuses``)."""
+    picked = list(picked)
+    while True:
+        covers = {c: {k for k, case in failing.items() if k[:2] == c[:2] and c[2] in case["classes"]} for c in picked}
+        alone = {c for c in picked if any(not any(k in covers[o] for o in picked if o != c) for k in covers[c])}
+        redundant = [c for c in picked if c not in alone and covers[c] <= set().union(
+            *(covers[o] for o in alone if o != c))]
+        if not redundant:
+            return picked
+        picked.remove(redundant[-1])  # the broadest of them goes first: picks run most specific first
 
 
 def cmd_findings(args) -> int:

@@ -120,6 +120,12 @@ def test_init_declares_the_class_that_fails_wherever_it_occurs_and_ignores_lower
     found, undeclarable = _deviations_of({"records": records}, {})
     assert sorted(found) == [("f", "m:f", BUG_CLASS, "lowered"), ("f", "m:f", BUG_CLASS, "narrow")], found
     assert undeclarable == []
+    # A specific class picked first whose every failing case a broader pick also explains
+    # (and that one fails alone elsewhere): the gate would call it stale, so it is left out.
+    records = [rec("x", "fail", ["empty_seq"]), rec("y", "fail", ["partial", "compact"]),
+               rec("z", "fail", ["partial", "compact"]), rec("w", "fail", ["compact"])]
+    found, _ = _deviations_of({"records": records}, {})
+    assert sorted(found) == [("f", "m:f", BUG_CLASS, "compact"), ("f", "m:f", BUG_CLASS, "empty_seq")], found
 
 
 @pytest.mark.parametrize("entry, message", [
