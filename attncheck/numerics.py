@@ -70,7 +70,6 @@ class Comparison:
     cosine: float
     yardstick_err: float
     yardstick_ulps: float  # yardstick error in ulps of the dtype at the oracle's magnitude
-    yardstick_spread: float  # largest difference between the yardstick's summation orders (0 with one)
     r: float
     a: float
     allowed: float
@@ -150,10 +149,6 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
     judged = np.zeros(oracle.shape, dtype=bool)
     judged[care] = both_finite
     yardstick_err = max(distance(y, oracle, judged) for y in yardsticks)
-    spread = 0.0
-    for y in yardsticks[1:]:
-        difference = np.abs(y[care] - yardsticks[0][care])
-        spread = max(spread, float(np.max(difference[np.isfinite(difference)], initial=0.0)))
     allowed = r * yardstick_err + a
     max_abs = float(np.max(abs_err, initial=0.0))
     rel_denominator = np.maximum(np.abs(of), dtype_eps(dtype) * max(scale, dtype_tiny(dtype)))
@@ -185,6 +180,6 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
         ulp_p50=float(np.percentile(ulps, 50)), ulp_p99=float(np.percentile(ulps, 99)),
         ulp_max=float(np.max(ulps)), cosine=cosine, yardstick_err=yardstick_err,
         yardstick_ulps=yardstick_err / float(ulp_of(np.array(scale), dtype)) if scale > 0 else 0.0,
-        yardstick_spread=spread, r=r, a=a,
+        r=r, a=a,
         allowed=allowed, budget=float(budget), worst_index=worst_index,
         worst_kernel=worst_kernel, worst_oracle=worst_oracle, compared=int(care.sum()))

@@ -28,8 +28,9 @@ from attncheck.numerics import Comparison
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.policy import Policy
 
-# 5: a comparison's metrics carry the spread between the yardstick's summation orders.
-SCHEMA_VERSION = 5
+# 6: a comparison's metrics no longer carry the spread between the yardstick's summation
+# orders (the yardstick check computes the yardstick in float64 instead).
+SCHEMA_VERSION = 6
 RECORDS_DIR = "records"
 RECORDS_SUFFIX = ".jsonl"
 STARTED_SUFFIX = ".started"
