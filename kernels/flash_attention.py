@@ -517,6 +517,10 @@ def _masked_logits(q, k, ab, q_seg, kv_seg, *, q_start, kv_start, causal, sm_sca
         s = s + ab.astype(jnp.float32)
     if sm_scale != 1.0:
         s = s * sm_scale
+    if ab is not None and sm_scale <= 0.0:
+        # A -inf entry of ab hides its key whatever the scale's sign: times a negative
+        # scale it would be the largest logit, times 0 a NaN.
+        s = jnp.where(ab == -jnp.inf, -jnp.inf, s)
     if q_seg is not None:
         q_ids = jnp.tile(q_seg, (1, s.shape[1] // NUM_LANES))
         s = jnp.where(q_ids == kv_seg, s, mask_value)

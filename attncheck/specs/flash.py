@@ -230,6 +230,9 @@ class FlashSpec(KernelSpec[FlashParams]):
         # The contracts of the kernel's docstring, each where it can be observed.
         causal_absent_rows_skip_blocks=causal_absent_rows_skip_blocks,
         bias_neg_inf=lambda p: p.bias and p.bias_values == "neg_inf",
+        # A -inf ab entry must hide its key whatever the scale's sign (the nightly found
+        # it: times -0.5 the largest logit, times 0 a NaN).
+        bias_neg_inf_nonpositive_scale=lambda p: p.bias and p.bias_values == "neg_inf" and p.sm_scale <= 0,
         bias_nonfinite_where_masked=lambda p: p.bias and p.bias_values == "nonfinite_masked" and p.causal,
         block_b_gt_1=lambda p: p.block_sizes["block_b"] > 1,
         # A backward pass whose q or kv blocks are wider than the forward's, under causal
