@@ -314,7 +314,10 @@ class FlashSpec(KernelSpec[FlashParams]):
     def oracle(self, case, inputs):
         p = case.params
         visible, fallback = _masks(p, inputs)
-        bias = None if "ab" not in inputs else np.asarray(inputs["ab"], np.float64) * p.sm_scale
+        # ab entries a -inf or the mask hides may be non-finite, and NaN times a scale of 0;
+        # `visible` leaves them out as the kernel does.
+        with np.errstate(invalid="ignore"):
+            bias = None if "ab" not in inputs else np.asarray(inputs["ab"], np.float64) * p.sm_scale
         sem = dict(scale=p.sm_scale, bias=bias, visible=visible, fallback=fallback, masked_rows="zero")
         args = (inputs["q"], inputs["k"], inputs["v"])
         grads = oracle.attention_vjp(*args, inputs["d_out"], **sem)
