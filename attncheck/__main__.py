@@ -413,15 +413,16 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
 
 
 def _without_redundant(picked: list[tuple], failing: dict[tuple, dict]) -> list[tuple]:
-    """The picked classes less each one the gate would call stale on these cases: one all of
-    whose failing cases another pick explains that explains some case alone (the gate's
-    rule, ``report.model.deviation_statuses``)."""
+    """The picked classes less each one the gate would call stale on these cases
+    (``expectations.own_evidence``), one at a time."""
+    from attncheck.expectations import own_evidence
+
     picked = list(picked)
     while True:
-        covers = {c: {k for k, case in failing.items() if k[:2] == c[:2] and c[2] in case["classes"]} for c in picked}
-        alone = {c for c in picked if any(not any(k in covers[o] for o in picked if o != c) for k in covers[c])}
-        redundant = [c for c in picked if c not in alone and covers[c] <= set().union(
-            *(covers[o] for o in alone if o != c))]
+        shown_in = {key: {c for c in picked if key[:2] == c[:2] and c[2] in case["classes"]}
+                    for key, case in failing.items()}
+        evidence = own_evidence(shown_in)
+        redundant = [c for c in picked if evidence.get(c, 0) == 0]
         if not redundant:
             return picked
         picked.remove(redundant[-1])  # the broadest of them goes first: picks run most specific first

@@ -176,6 +176,19 @@ def for_target(entries: Iterable[Expectation], family: str, implementation: str)
     return tuple(e for e in entries if e.family == family and e.implementation == implementation)
 
 
+def own_evidence(shown_in: Mapping[Any, set]) -> dict[Any, int]:
+    """Entry -> how many places (cases) show it that no other *confirmed* entry explains;
+    an entry is confirmed where it shows alone. A crash shows in every whole-case entry of
+    its case, so an entry all of whose places a confirmed one also shows has shown nothing
+    of its own: it is stale (the gate) and not worth proposing (``expectations init``)."""
+    confirmed = {next(iter(ids)) for ids in shown_in.values() if len(ids) == 1}
+    counts: dict[Any, int] = {}
+    for ids in shown_in.values():
+        for entry in ids:
+            counts[entry] = counts.get(entry, 0) + (not (ids - {entry}) & confirmed)
+    return counts
+
+
 def toml(entries: Iterable[Expectation], *, pyproject: bool) -> str:
     """The entries as a TOML table: ``[[tool.attncheck.expect]]`` for a pyproject.toml, else
     ``[[expect]]``."""

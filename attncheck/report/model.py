@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 from attncheck import interpret_compat
 from attncheck.env import Platform
-from attncheck.expectations import INVALID_CALL, NOT_EXERCISED, NOT_UNDER_TEST, OCCURS, STALE, Expectation
+from attncheck.expectations import (INVALID_CALL, NOT_EXERCISED, NOT_UNDER_TEST, OCCURS, STALE, Expectation,
+                                    own_evidence)
 from attncheck.report import coverage_table, parameter_coverage
 from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record, target_id
@@ -120,7 +121,7 @@ def deviation_statuses(records: list[Record], invalid_calls: list[InvalidCallOut
             exercised[key].add(entry_id)
             if shown:
                 shown_in[key].add(entry_id)
-    confirmed = {next(iter(ids)) for ids in shown_in.values() if len(ids) == 1}
+    evidence = own_evidence(shown_in)
     tested = {(r.kernel, r.impl_ref) for r in records} | {(c.family, c.impl_ref) for c in invalid_calls}
     out = []
     for entry in (e for e in entries if e.family in verified):
@@ -135,7 +136,7 @@ def deviation_statuses(records: list[Record], invalid_calls: list[InvalidCallOut
         else:
             keys = [key for key, ids in exercised.items() if entry.id in ids and key[0] == entry.family]
             cases = len(keys)
-            shown = sum(entry.id in shown_in[key] and not (shown_in[key] - {entry.id}) & confirmed for key in keys)
+            shown = evidence.get(entry.id, 0)
             stale = cases > 0 and shown == 0
         status = NOT_EXERCISED if cases == 0 else STALE if stale else OCCURS
         out.append(DeviationStatus(entry, status, cases, shown))
