@@ -15,10 +15,19 @@ the layout, not the kernel.
 
 Its backward is the textbook attention backward every kernel here implements (Dao et
 al.): P recomputed as exp(S - LSE), dS = P * (dP - rowsum(dO * O)) with O the delivered
-output. Autodiff of softmax reuses the forward's P and computes rowsum(dP * P), which on
+output. S itself is recomputed too, summing the head dim in reverse: a kernel recomputes
+its logits in its backward's tiles, and XLA's CPU dot may round another tile shape
+otherwise (measured at head dim 256: 89% of the logits differ, by 4.6e-6 RMS; reversing
+the head dim, 6.3e-6; at 64 and 128 these tiles agreed here, which is the dot library's
+choice, not a promise), so its P is not normalised by its own logits. On f32 logits up to
+50, a flash backward in other tiles than its forward's was 5x further from the oracle in
+dv (5.7e-5) than the same kernel in the forward's tiles (1.1e-5), which a yardstick
+reusing its forward's logits matched (1.1e-5; recomputing them, 7.0e-5).
+
+Autodiff of softmax reuses the forward's P and computes rowsum(dP * P), which on
 f32 cases with logits up to 50 is several times more accurate (measured: dq 5.7e-7 vs
-1.35e-6 from rowsum(dO * O); dv 1.2e-6 vs 5.7e-6 from the recomputed P): a yardstick for
-a different algorithm.
+1.35e-6 from rowsum(dO * O); dv 1.2e-6 vs 5.7e-6 from the recomputed P): a
+yardstick for a different algorithm.
 """
 
 from __future__ import annotations
@@ -111,13 +120,14 @@ def visibility(q_pos, kv_pos, *, causal, window=None, q_segment_ids=None, kv_seg
     return visible[:, None] if mask is None else visible[:, None] & np.asarray(mask, dtype=bool)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _softmax_times_v(s, v, multiplier, seq_major):
-    """softmax(s) * multiplier (inverted dropout, else 1) times v."""
-    return _softmax_times_v_fwd(s, v, multiplier, seq_major)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _softmax_times_v(s, s_again, v, multiplier, seq_major):
+    """softmax(s) * multiplier (inverted dropout, else 1) times v; ``s_again``, the same
+    logits computed in another summation order, is what the backward recomputes P from."""
+    return _softmax_times_v_fwd(s, s_again, v, multiplier, seq_major)[0]
 
 
-def _softmax_times_v_fwd(s, v, multiplier, seq_major):
+def _softmax_times_v_fwd(s, s_again, v, multiplier, seq_major):
     p_raw = jax.nn.softmax(s, axis=-1)
     p = p_raw * multiplier
     if seq_major:
@@ -125,7 +135,7 @@ def _softmax_times_v_fwd(s, v, multiplier, seq_major):
                          preferred_element_type=_accumulator(v)).swapaxes(1, 2)
     else:
         out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=_accumulator(v))
-    return out, (s, jax.nn.logsumexp(s, axis=-1, keepdims=True), v, multiplier, out.astype(v.dtype))
+    return out, (s_again, jax.nn.logsumexp(s, axis=-1, keepdims=True), v, multiplier, out.astype(v.dtype))
 
 
 def _softmax_times_v_bwd(seq_major, residuals, d_out):
@@ -144,7 +154,7 @@ def _softmax_times_v_bwd(seq_major, residuals, d_out):
     dp = jnp.einsum("bhqd,bhkd->bhqk", d_out.astype(v.dtype), v, preferred_element_type=acc)
     delta = jnp.sum(d_out * out.astype(acc), axis=-1, keepdims=True)
     # With weights W = P*M: dS = P * (M*dP - rowsum(dO*O)), since rowsum(W*dP) = dO.O.
-    return p_raw * (multiplier * dp - delta), dv, jnp.zeros_like(multiplier)
+    return p_raw * (multiplier * dp - delta), jnp.zeros_like(s), dv, jnp.zeros_like(multiplier)
 
 
 _softmax_times_v.defvjp(_softmax_times_v_fwd, _softmax_times_v_bwd)
@@ -159,23 +169,31 @@ def _attention(q, k, v, ab, bias, visible, multiplier=None, fallback=None, *, sc
     k = jnp.repeat(k, group, axis=1)
     v = jnp.repeat(v, group, axis=1)
     acc = _accumulator(q)
-    if seq_major:
-        s = jnp.einsum("bqhd,bkhd->bqhk", q.swapaxes(1, 2), k.swapaxes(1, 2),
-                       preferred_element_type=acc).swapaxes(1, 2)
-    else:
-        s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=acc)
-    if ab is not None:  # bias added before the scale (flash's (q.k + ab) * scale)
-        s = s + ab.astype(acc)
-    s = s * scale
-    if bias is not None:
-        s = s + bias.astype(acc)
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    # A fallback key's logit is replaced as a kernel does with its mask value (s + mask
-    # value rounds to it in float32) while its derivative still flows through s.
-    hidden = _MASKED_LOGIT if fallback is None else jnp.where(fallback, s + _MASKED_LOGIT, _HIDDEN_LOGIT)
-    s = jnp.where(visible, s, hidden)
-    out = _softmax_times_v(s, v, jnp.ones((), acc) if multiplier is None else multiplier.astype(acc), seq_major)
+
+    def logits(q, k):
+        if seq_major:
+            s = jnp.einsum("bqhd,bkhd->bqhk", q.swapaxes(1, 2), k.swapaxes(1, 2),
+                           preferred_element_type=acc).swapaxes(1, 2)
+        else:
+            s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=acc)
+        if ab is not None:  # bias added before the scale (flash's (q.k + ab) * scale)
+            s = s + ab.astype(acc)
+        s = s * scale
+        if bias is not None:
+            s = s + bias.astype(acc)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        # A fallback key's logit is replaced as a kernel does with its mask value (s + mask
+        # value rounds to it in float32) while its derivative still flows through s.
+        hidden = _MASKED_LOGIT if fallback is None else jnp.where(fallback, s + _MASKED_LOGIT, _HIDDEN_LOGIT)
+        return jnp.where(visible, s, hidden)
+
+    s = logits(q, k)
+    # The backward's logits sum the head dim in reverse: a kernel recomputes them in its
+    # backward's tiles, which round otherwise than its forward's.
+    s_again = jax.lax.stop_gradient(logits(jnp.flip(q, -1), jnp.flip(k, -1)))
+    multiplier = jnp.ones((), acc) if multiplier is None else multiplier.astype(acc)
+    out = _softmax_times_v(s, s_again, v, multiplier, seq_major)
     if masked_rows == "zero":
         seen = visible if fallback is None else visible | fallback
         out = jnp.where(jnp.any(seen, axis=-1)[..., None], out, 0.0)

@@ -243,6 +243,13 @@ class FlashSpec(KernelSpec[FlashParams]):
             > p.block_sizes["block_k_major"]),
         # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
         bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 512 and p.values == "offset",
+        # float32 logits over a head dim of 256, recomputed by a backward in other tiles than
+        # the forward's: XLA's CPU dot rounds them otherwise there (measured: not at 64 or
+        # 128), so the backward's P is not normalised by its own logits. The nightly found the
+        # yardstick missing it (dv 1.4x its tolerance on a correct kernel).
+        f32_wide_head_retiled_backward=lambda p: p.dtype == "float32" and p.head_dim == 256 and any(
+            (p.block_sizes[q], p.block_sizes[k]) != (p.block_sizes["block_q"], p.block_sizes["block_k"])
+            for q, k in (("block_q_dkv", "block_k_dkv"), ("block_q_dq", "block_k_dq"))),
     ) + bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
     examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
@@ -253,7 +260,14 @@ class FlashSpec(KernelSpec[FlashParams]):
         bias=False, segments="none", segment_starts=(), values="normal",
         blocks=(("block_q", 128), ("block_k_major", 256), ("block_k", 128), ("block_b", 1), ("block_q_major_dkv", 256),
                 ("block_k_major_dkv", 256), ("block_k_dkv", 128), ("block_q_dkv", 128), ("block_k_major_dq", 256),
-                ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
+                ("block_k_dq", 128), ("block_q_dq", 128))), 0),
+        # The CI profile draws head dims 64 and 128 only.
+        "f32_wide_head_retiled_backward": Case(FAMILY, FlashParams(
+            dtype="float32", batch=1, heads=1, q_len=256, kv_len=256, head_dim=256, causal=True, sm_scale=0.0625,
+            bias=False, segments="none", segment_starts=(), values="large",
+            blocks=(("block_q", 256), ("block_k_major", 128), ("block_k", 128), ("block_b", 1),
+                    ("block_q_major_dkv", 128), ("block_k_major_dkv", 128), ("block_k_dkv", 128), ("block_q_dkv", 128),
+                    ("block_k_major_dq", 128), ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
     contracts = (
         Contract("absent_segment_rows", "a row that sees no key of its own segment averages v uniformly over the "
                  "causally visible keys of the other segments, with the softmax gradient at those weights, causal "
