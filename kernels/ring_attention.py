@@ -583,9 +583,12 @@ def _blockwise_ring_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed):
     state, _ = _ring_loop(step, state, (k, v, kv_seg), (), axis_name=cfg.axis_name)
     acc, l, m = map(_from_chunks, state)
     seen = l > 0
-    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0).astype(q.dtype)
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-    return out, (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
+    # The backward's di = rowsum(dO * O) takes O before its rounding to q.dtype: a bfloat16 O
+    # errs by ~2^-9 |O|, and where a row's weight is split between keys of distant values the
+    # difference dP - di amplifies that into dq and dk (3x the naive attention's error).
+    return out.astype(q.dtype), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
 
 
 def _blockwise_ring_bwd(cfg, res, g):
@@ -595,7 +598,7 @@ def _blockwise_ring_bwd(cfg, res, g):
     qc, kc, ax = cfg.query_chunk_size, cfg.key_chunk_size, cfg.axis_name
     cdt = cfg.compute_dtype(q.dtype)
     ctx = _RingContext(q, bias, mask, q_seg, seed, lax.axis_index(ax) * sq)
-    di = jnp.sum(g.astype(_ACC_DTYPE) * out.astype(_ACC_DTYPE), axis=-1)  # [B, Sq, H]
+    di = jnp.sum(g.astype(_ACC_DTYPE) * out, axis=-1)  # [B, Sq, H]; out is float32
     q_xs = (_to_chunks(g.astype(cdt), qc), _to_chunks(lse, qc), _to_chunks(di, qc))
     kv_out_shapes = (jax.ShapeDtypeStruct((b, kc, h, d), _ACC_DTYPE),) * 2
 
@@ -726,8 +729,9 @@ def _ring_flash_fwd(cfg, q, k, v, bias, q_seg, kv_seg):
     # key, or an all -inf bias row) follow this module's convention: output 0
     # and no gradient (the kernel alone would give the mean of v for the former).
     seen = m > _flash.DEFAULT_MASK_VALUE
-    out_h = _flash.flash_attention_finalize((jnp.where(seen[..., None], o, 0.0), l, m), q.dtype)
-    return _heads_major(out_h), (q, k, v, bias, q_seg, kv_seg, out_h, l, m, seen)
+    # As in the blockwise core, the backward's di takes the float32 output, before rounding.
+    out_h = _flash.flash_attention_finalize((jnp.where(seen[..., None], o, 0.0), l, m), _ACC_DTYPE)
+    return _heads_major(out_h.astype(q.dtype)), (q, k, v, bias, q_seg, kv_seg, out_h, l, m, seen)
 
 
 def _ring_flash_bwd(cfg, res, g):
@@ -741,7 +745,7 @@ def _ring_flash_bwd(cfg, res, g):
     # Zero cotangent on rows that saw no key makes their dq, dk, dv, dbias
     # contributions vanish (dp = 0 and di = 0, so ds = 0).
     do = jnp.where(seen[..., None], _heads_major(g), 0.0).astype(cdt)
-    di = jnp.sum(out_h.astype(_ACC_DTYPE) * do.astype(_ACC_DTYPE), axis=-1)
+    di = jnp.sum(out_h * do.astype(_ACC_DTYPE), axis=-1)
 
     def step(carry, kv, kv_grads, kv_block):
         dq, dbias = carry

@@ -420,6 +420,11 @@ RING_MUTANTS = [
            replace="    cols = _key_columns(bias, kv_offset, kv_len).astype(_ACC_DTYPE) * cfg.sm_scale\n",
            description="bias converted to the kernel's (qk + ab) * scale convention with * instead of /",
            bug_class="scale_bias_order_swapped"),
+    Mutant("ring-di-from-rounded-output", "ring_attention_standard", RING,
+           find="    di = jnp.sum(g.astype(_ACC_DTYPE) * out, axis=-1)  # [B, Sq, H]; out is float32\n",
+           replace="    di = jnp.sum(g.astype(_ACC_DTYPE) * out.astype(q.dtype).astype(_ACC_DTYPE), axis=-1)\n",
+           description="backward's di = rowsum(dO * O) from the output rounded to q.dtype (bfloat16 loses dq, dk)",
+           bug_class="early_bf16_cast"),
     # Shows only on a row that sees no key at all (its running max stays -inf).
     Mutant("ring-masked-row-nan", "ring_attention", RING,
            find="    m_shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)\n",

@@ -176,6 +176,10 @@ RING_CLASSES = bugclasses.bug_classes(
     bias=lambda p: p.bias != "none",
     bf16=lambda p: p.dtype == "bfloat16",
     large_logits=lambda p: p.values == "large",
+    # bfloat16 rounds the output by ~2^-9 of its size; a backward that takes its
+    # di = rowsum(dO * O) from the rounded O turns that into dq and dk errors wherever large
+    # logits split a row's weight between keys of distant values.
+    bf16_large_logits=lambda p: p.dtype == "bfloat16" and p.values == "large",
     exact_ties=lambda p: p.values == "ties",
     # The documented contract: a row whose keys all have a -inf bias sees nothing (0, no
     # gradient), on whichever device its keys live.
@@ -426,6 +430,12 @@ class StandardRingSpec(RingSpec):
     # The bias is not part of this convention; a random mask with empty rows is.
     bug_classes = tuple(c for c in RING_CLASSES if not c.name.startswith("bias")) + bugclasses.bug_classes(
         mask_with_empty_rows=lambda p: p.random_mask)
+    # A draw of the class shows a backward's rounded-O di only on some data (2 of 40 seeds of
+    # this configuration, at 3.3x the tolerance): this is one of them, found by the nightly.
+    explicit_examples = {"bf16_large_logits": Case(name, MaskedRingParams(
+        dtype="bfloat16", devices=1, seq_len=8, per_device=8, heads=1, head_dim=32, causal=False, bias="none",
+        segments="packed", segment_starts=(0, 6), float32_logits=False, values="large", batch=2, sm_scale=0.3,
+        random_mask=True), 15)}
 
     def cases(self):
         return super().cases().map(lambda c: Case(c.family, dataclasses.replace(c.params, bias="none"), c.seed))
