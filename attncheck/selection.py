@@ -204,8 +204,9 @@ def _param_id(nodeid: str) -> str | None:
 
 
 def test_of_nodeid(options: Options, nodeid: str) -> GateTest | None:
-    """The gate test a node id names (None: not a gate test)."""
-    return _by_id(options).get(_param_id(nodeid))
+    """The gate test a node id names (None: not a gate test). Any other test's id returns
+    at once: listing the gate tests searches every family's coverage examples."""
+    return _by_id(options).get(_param_id(nodeid)) if "test_kernel_matches_oracle" in nodeid else None
 
 
 def invalid_test_of_nodeid(options: Options, nodeid: str) -> InvalidInputTest | None:

@@ -195,9 +195,9 @@ class GateSession:
 
     def _changed_families(self) -> dict[str, int]:
         path = scheduling.sources_path(self._durations_path())
-        refs: dict[str, set[str]] = collections.defaultdict(set)
-        for test in selection.gate_tests(self.options):
-            refs[test.spec.name].add(test.impl_ref)
+        # The families' implementations, not their gate tests: listing those would search
+        # every family's coverage examples, in a session that may collect none of them.
+        refs = {spec.name: set(self.options.implementations(spec).values()) for spec in self.options.selected_specs()}
         try:
             return scheduling.changed_families(refs, scheduling.load_sources(path))
         except (ImportError, OSError, TypeError, ValueError) as exc:  # like the durations: speed only

@@ -112,3 +112,5 @@ def test_asking_for_attncheck_is_what_activates_it(tmp_path):
     # No gate test was collected: the run verified nothing, and says so.
     assert proc.returncode != 0 and "attncheck: NO CASES" in proc.stdout, proc.stdout
     assert (tmp_path / "rep" / "report.md").read_text().startswith("# attncheck: NO CASES")
+    # Nor did it search any family's coverage examples (minutes with a cold cache).
+    assert not (tmp_path / ".attncheck_cache" / "coverage").exists()
