@@ -380,12 +380,12 @@ RING_MUTANTS = [
            find="    state, _ = _ring_loop(step, state, (k, v, kv_seg), (), axis_name=cfg.axis_name)\n"
                 "    acc, l, m = map(_from_chunks, state)\n"
                 "    seen = l > 0\n"
-                "    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0).astype(q.dtype)\n",
+                "    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)\n",
            replace="    first, _ = step(state, (k, v, kv_seg), (), lax.axis_index(cfg.axis_name))\n"
                    "    state, _ = _ring_loop(step, state, (k, v, kv_seg), (), axis_name=cfg.axis_name)\n"
                    "    acc, l, m = map(_from_chunks, state)\n"
                    "    seen = l > 0\n"
-                   "    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0).astype(q.dtype)\n"
+                   "    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)\n"
                    "    _, l, m = map(_from_chunks, first)\n"
                    "    seen = l > 0\n",
            description="backward residual lse taken after the first ring step (own block) instead of the last",
