@@ -152,7 +152,11 @@ def _softmax_times_v_bwd(seq_major, residuals, d_out):
     dv = jnp.einsum("bhqk,bhqd->bhkd", (p_raw * multiplier).astype(v.dtype), d_out.astype(v.dtype),
                     preferred_element_type=acc).astype(v.dtype)
     dp = jnp.einsum("bhqd,bhkd->bhqk", d_out.astype(v.dtype), v, preferred_element_type=acc)
-    delta = jnp.sum(d_out * out.astype(acc), axis=-1, keepdims=True)
+    # rowsum(dO * O) from its rounded products, apart from dP's dot (fused multiply-adds):
+    # a kernel computes it apart from its dP tiles, and where a row's weight sits on one key
+    # dP - rowsum(dO * O) is then a rounding of 0, not 0 (the barrier keeps XLA from fusing
+    # the products into the sum, which rounds as the dot does).
+    delta = jnp.sum(jax.lax.optimization_barrier(d_out * out.astype(acc)), axis=-1, keepdims=True)
     # With weights W = P*M: dS = P * (M*dP - rowsum(dO*O)), since rowsum(W*dP) = dO.O.
     return p_raw * (multiplier * dp - delta), jnp.zeros_like(s), dv, jnp.zeros_like(multiplier)
 
