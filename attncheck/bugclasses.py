@@ -27,6 +27,7 @@ class BugClass:
     name: str
     applies: Callable[[Params], bool]
     affects: Callable | None = dataclasses.field(default=None, compare=False)
+    pair: bool = False  # two partitions' cells at once (``pairwise``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,21 +45,54 @@ def bug_classes(**predicates: Callable[[Params], bool] | Touching) -> tuple[BugC
                  for name, p in predicates.items())
 
 
-def value_cells(name: str, value: Callable[[Params], float | None], cells: Iterable[str]) -> tuple[BugClass, ...]:
-    """One class per cell of a real parameter (``parameters.NUMBER_CELLS``) its value
-    (None: the kernel's default) must reach, named ``<name>_<cell>``:
-    ``value_cells("sm_scale", lambda p: p.sm_scale, ("negative", "zero"))``. The coverage
-    search then draws each cell every run; the report's value coverage checks that the
-    kernel's call received it."""
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """One parameter's domain cut into the cells a kernel treats differently (a block count:
+    one, several; a scale: negative, zero, ...): one class per cell, named ``<name>_<cell>``.
+    ``pairwise`` crosses partitions."""
+
+    name: str
+    classes: tuple[BugClass, ...]
+
+
+def _cell_name(cell: str) -> str:
+    return cell.replace("(", "").replace(")", "").replace(",", "").replace(" ", "_")
+
+
+def partition(name: str, **cells: Callable[[Params], bool]) -> Partition:
+    """``partition("kv_blocks", one=lambda p: ..., several=lambda p: ...)``: cells in
+    declaration order."""
+    if len(cells) < 2:
+        raise ValueError(f"partition({name!r}): a partition needs two cells or more, got {sorted(cells)}")
+    return Partition(name, tuple(BugClass(f"{name}_{cell}", applies) for cell, applies in cells.items()))
+
+
+def numbers(name: str, value: Callable[[Params], float | None], cells: Iterable[str]) -> Partition:
+    """The cells of a real parameter (``parameters.NUMBER_CELLS``) its value (None: the
+    kernel's default) must reach: ``numbers("sm_scale", lambda p: p.sm_scale, ("negative",
+    "zero"))``. The coverage search then draws each cell every run; the report's value
+    coverage checks that the kernel's call received it."""
     unknown = sorted(set(cells) - set(parameters.NUMBER_CELLS))
     if unknown:
-        raise ValueError(f"value_cells({name!r}): cells {unknown} are not among {parameters.NUMBER_CELLS}")
+        raise ValueError(f"numbers({name!r}): cells {unknown} are not among {parameters.NUMBER_CELLS}")
 
     def reaches(cell: str) -> Callable[[Params], bool]:
         return lambda p: (v := value(p)) is not None and cell in parameters.number_cells(repr(float(v)))
 
-    return tuple(BugClass(f"{name}_{cell.replace('(', '').replace(')', '').replace(',', '').replace(' ', '_')}",
-                          reaches(cell)) for cell in cells)
+    return partition(name, **{_cell_name(cell): reaches(cell) for cell in cells})
+
+
+def pairwise(*partitions: Partition) -> tuple[BugClass, ...]:
+    """A class for every pair of cells of two different partitions, named
+    ``<cell>__<cell>``: with each reached, the coverage examples and draws form a pairwise
+    covering array of the partitions, where a bug that needs two parameters' values at once
+    (a backward block wider than the forward's under causal masking) shows."""
+    names = [p.name for p in partitions]
+    if len(set(names)) != len(names) or len(names) < 2:
+        raise ValueError(f"pairwise: needs two distinct partitions or more, got {names}")
+    return tuple(BugClass(f"{a.name}__{b.name}", lambda p, a=a, b=b: a.applies(p) and b.applies(p), pair=True)
+                 for i, first in enumerate(partitions) for second in partitions[i + 1:]
+                 for a in first.classes for b in second.classes)
 
 
 def exercised(classes: Iterable[BugClass], params: Params) -> list[str]:

@@ -149,7 +149,8 @@ def search(spec: KernelSpec) -> list[Case]:
     if unknown:
         raise ValueError(f"{spec.name}: explicit_examples name no bug class of the family: {unknown}")
     found: dict[str, Case] = {}
-    for cls in spec.bug_classes:
+    pairs = [c for c in spec.bug_classes if c.pair and c.name not in spec.explicit_examples]
+    for cls in [c for c in spec.bug_classes if c not in pairs]:
         if any(exercises(cls, c.params) for c in found.values()):
             continue
         explicit = spec.explicit_examples.get(cls.name)
@@ -165,7 +166,48 @@ def search(spec: KernelSpec) -> list[Case]:
         if case.params.device_count > 1:
             case = first(cls, devices=case.params.device_count, examples=FEWER_DEVICES_EXAMPLES) or case
         found[cls.name] = case
+    missing = [c for c in pairs if not any(exercises(c, f.params) for f in found.values())]
+    for case in _covering(spec, missing, exercises):
+        found[case.id] = case
+    for cls in missing:
+        if not any(exercises(cls, c.params) for c in found.values()) and (case := first(cls)) is not None:
+            found[cls.name] = case
     return list({c.id: c for c in found.values()}.values())
+
+
+def _covering(spec: KernelSpec, classes: list[BugClass], exercises) -> list[Case]:
+    """Cases of one derandomized draw of the family's strategy that together exercise as many
+    of ``classes`` as it can: each next the one with the most not yet exercised per token it
+    runs (``Params.sequence_length``, times the devices squared: a ring of n runs n steps on
+    each of its n devices). Pair classes are many (every pair of
+    cells), and an example shrunk for each alone would be one case per pair; a drawn case
+    holds one cell of every partition, so a handful cover them."""
+    if not classes:
+        return []
+    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    pool: list[Case] = []
+    try:  # the draw: a search for nothing, that keeps what it saw
+        find(spec.cases(), lambda c: pool.append(c) and False,
+             settings=settings(database=None, derandomize=True, max_examples=COVERING_DRAWS, deadline=None,
+                               phases=(Phase.generate,), suppress_health_check=list(HealthCheck)))
+    except NoSuchExample:
+        pass
+    reaches = [(case, {c.name for c in classes if exercises(c, case.params)}) for case in pool]
+    left, chosen = {c.name for c in classes}, []
+    while left:
+        case, covered = max(reaches, key=lambda r: len(r[1] & left) / max(
+            1, r[0].params.sequence_length * r[0].params.device_count ** 2))
+        if not covered & left:
+            break
+        chosen.append(case)
+        left -= covered
+    return chosen
+
+
+# Draws of the strategy the pair classes' examples are chosen from (``_covering``).
+COVERING_DRAWS = 500
 
 
 # Draws in the search on fewer devices: the strategies draw hundreds a second, and a class

@@ -38,6 +38,15 @@ MASK_VALUE_UNDERFLOWS = ("a mask value must underflow against every visible logi
                          "of another cell would make hidden keys visible)")
 
 
+def values_by_dtype(value_kinds: tuple[str, ...] = S.VALUE_KINDS) -> tuple[BugClass, ...]:
+    """The value distributions a family draws (``strategies.VALUE_KINDS``: large logits, v
+    far from 0, ...) crossed with the dtypes: a precision bug shows where both meet (v's
+    offset in a bfloat16 accumulation)."""
+    return bugclasses.pairwise(
+        bugclasses.partition("values", **{kind: (lambda p, kind=kind: p.values == kind) for kind in value_kinds}),
+        bugclasses.partition("dtype", **{name: (lambda p, name=name: p.dtype == name) for name in S.DTYPES}))
+
+
 @dataclasses.dataclass(frozen=True)
 class InvalidCall:
     """A call a kernel must reject with its own clear error."""

@@ -32,7 +32,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.expectations import Contract
-from attncheck.specs.base import BIAS_AXES, InvalidCall, KernelSpec, resolve_impl
+from attncheck.specs.base import BIAS_AXES, InvalidCall, KernelSpec, resolve_impl, values_by_dtype
 
 FAMILY = "dot_product_attention"
 # (batch, T, S, N, K, H): sizes off the usual tiles (the flash adapter pads them) and one on them.
@@ -176,6 +176,18 @@ def some_row_sees_no_key(p: DPAParams) -> bool:
     return p.mask_empties_rows or any(kv == 0 and q > 0 for q, kv in zip(q_lengths, p.kv_lengths or ()))
 
 
+SCALE = bugclasses.numbers("scale", lambda p: p.scale, parameters.NUMBER_CELLS)
+# Crossed pairwise: the scale, what hides keys, and whether the shape fills the kernels'
+# tiles. A hide value that goes through the scale, or padding that the kernel hides in its
+# own way, shows only in some of these pairs (a mask under a negative scale).
+PAIRS = bugclasses.pairwise(
+    SCALE,
+    bugclasses.partition("hiding", nothing=lambda p: not hides_keys(p), mask=lambda p: p.mask != "none",
+                         kv_lengths=lambda p: p.kv_lengths is not None and min(p.kv_lengths) < p.kv_len,
+                         window=lambda p: p.window is not None, causal=lambda p: p.is_causal),
+    bugclasses.partition("tiles", on=lambda p: not _off_tiles(p), off=_off_tiles))
+
+
 class DPASpec(KernelSpec[DPAParams]):
     name = FAMILY
     params_type = DPAParams
@@ -222,7 +234,7 @@ class DPASpec(KernelSpec[DPAParams]):
         mqa=lambda p: p.kv_heads == 1 < p.q_heads,
         # Off the usual tiles (sequences not multiples of 8 / 128): padding must stay hidden.
         shape_off_tiles=_off_tiles,
-    ) + bugclasses.value_cells("scale", lambda p: p.scale, parameters.NUMBER_CELLS)
+    ) + SCALE.classes + PAIRS + values_by_dtype()
     examples = {"xla": 8, "interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     contracts = (Contract("unseeing_rows_and_padding", "jax.nn's convention: a row that sees no key outputs the mean "
                           "of v over all keys with that mean's gradient; rows past a query length output 0 and take no "

@@ -24,7 +24,7 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords
+from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
 
 FAMILY = "blockwise_ffn"
 SEQ_LENS = S.Shapes(ci=(64, 96, 256), nightly=(40, 64, 96, 256, 512))
@@ -32,6 +32,7 @@ FEATURES = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
 FEATURES_OUT = (16, 24)
 HIDDEN = S.Shapes(ci=(64, 128), nightly=(32, 64, 128, 256))
 # The leading axes of the inputs: none, a batch, two.
+VALUE_KINDS = ("normal", "large")
 LEADS = ((), (1,), (2,), (2, 2))
 PARAM_NAMES = ("w_in", "b_in", "w_out", "b_out")
 DROPOUT_RATE = 0.25
@@ -72,7 +73,7 @@ def ffn_cases(draw) -> Case[FFNParams]:
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), lead=draw(st.sampled_from(LEADS)), seq_len=seq,
         chunk_size=chunk, features=features, features_out=draw(st.sampled_from((features,) + FEATURES_OUT)),
         hidden=draw(st.sampled_from(HIDDEN())), biases=draw(st.booleans()),
-        values=draw(st.sampled_from(("normal", "large"))), stochastic=draw(st.booleans()),
+        values=draw(st.sampled_from(VALUE_KINDS)), stochastic=draw(st.booleans()),
         remat=draw(st.booleans()), policy=draw(st.sampled_from(tuple(POLICIES))), prevent_cse=draw(st.booleans())),
         seed)
 
@@ -109,11 +110,11 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         features_out_ne_features=lambda p: p.features_out != p.features,
         no_leading_axes=lambda p: not p.lead,
         two_leading_axes=lambda p: len(p.lead) > 1,
-        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len)
+        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len) + values_by_dtype(VALUE_KINDS)
     fixed_parameters = {"ffn": "the convention passes the position-wise FFN of the implementation's own module "
                                "(a dropout wrapper of it with rng)",
                         "rng.dtype": "the key type of jax.random.key, the convention's rng"}
-    examples = {"xla": 64}
+    examples = {"xla": 56}
     contracts = (Contract("dropout_per_chunk", "with rng, chunk i calls ffn(params, x_i, rng=fold_in(rng, i)): the "
                           "oracle applies the dropout masks that contract implies"),)
 

@@ -31,7 +31,7 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, accepted_keywords
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
 
 FAMILY = "flash_attention"
 # What the ab entries hold besides normal values: -inf entries (some keys and one whole row
@@ -206,6 +206,27 @@ def flash_cases(draw) -> Case:
         vmem_limit_bytes=draw(st.sampled_from(VMEM_LIMITS))), seed)
 
 
+def _backward_blocks(p: FlashParams) -> tuple[int, int]:
+    """The backward passes' major blocks against the forward's, both axes: (how many are
+    wider, how many narrower)."""
+    b = p.block_sizes
+    pairs = [(b[f], b["block_q"]) for f in ("block_q_major_dkv", "block_q_dq")] + [
+        (b[f], b["block_k_major"]) for f in ("block_k_major_dkv", "block_k_major_dq")]
+    return sum(bwd > fwd for bwd, fwd in pairs), sum(bwd < fwd for bwd, fwd in pairs)
+
+
+# Crossed pairwise: causal masking and each axis's tiling, where block skipping, offsets and
+# the backward's own tiles meet.
+PAIRS = bugclasses.pairwise(
+    bugclasses.partition("causal", on=lambda p: p.causal, off=lambda p: not p.causal),
+    bugclasses.partition("q_blocks", one=lambda p: p.block_sizes["block_q"] == p.q_len,
+                         several=lambda p: p.block_sizes["block_q"] < p.q_len),
+    bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_k_major"] == p.kv_len,
+                         several=lambda p: p.block_sizes["block_k_major"] < p.kv_len),
+    bugclasses.partition("backward_blocks", as_forward=lambda p: _backward_blocks(p) == (0, 0),
+                         wider=lambda p: _backward_blocks(p)[0] > 0, narrower=lambda p: _backward_blocks(p)[1] > 0))
+
+
 class FlashSpec(KernelSpec[FlashParams]):
     name = FAMILY
     params_type = FlashParams
@@ -253,8 +274,8 @@ class FlashSpec(KernelSpec[FlashParams]):
         # yardstick missing it (dv 1.4x its tolerance on a correct kernel).
         f32_wide_head_retiled_backward=lambda p: (p.dtype == "float32" and p.head_dim == 256
                                                   and len(set(logit_tiles(p))) > 1),
-    ) + bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
-    examples = {"interpret": 24, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
+    ) + bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS + values_by_dtype()
+    examples = {"interpret": 20, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
     # of the CI profile's strategy found none once a value kind was added, the nightly's
     # none at all. Found by a search of 30000.

@@ -41,7 +41,7 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key
 from attncheck.expectations import BUG_CLASS, Contract, Shipped
 from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
-                                  accepted_keywords)
+                                  accepted_keywords, values_by_dtype)
 
 FAMILY = "paged_attention"
 # (batch, q_heads, kv_heads, head_dim, page_size, pages_per_sequence): head_dim a multiple
@@ -58,6 +58,8 @@ SPARE_PAGES = 3  # pages in the pool no sequence owns: NaN
 # An explicit mask value, large enough that masked logits underflow like the default's.
 MASK_VALUE = -1e30
 SOFT_CAP = 10.0  # below the logits' spread (q.k has std sqrt(D) >= 11): it saturates
+# "large": logits of magnitude tens (strategies.VALUE_KINDS), where an unguarded softmax overflows.
+VALUE_KINDS = ("normal", "large")
 SOFT_CAPS = (None, SOFT_CAP, 0.7, 1.0)  # and the cap's other cells: below 1, 1
 # What the slots past a length inside a read compute block hold: finite, so the additive
 # mask can hide them, and large, so that one leaking in is far off.
@@ -124,7 +126,7 @@ def paged_cases(draw) -> Case[PagedParams]:
         head_dim=head_dim, page_size=page_size, pages_per_sequence=pages,
         pages_per_compute_block=draw(st.sampled_from(S.divisors(pages, 1))),
         lengths=tuple(draw(lengths)), megacore_mode=draw(st.sampled_from(megacore)), inline_seq_dim=inline,
-        soft_cap=draw(st.sampled_from(SOFT_CAPS)), values=draw(st.sampled_from(("normal", "large"))),
+        soft_cap=draw(st.sampled_from(SOFT_CAPS)), values=draw(st.sampled_from(VALUE_KINDS)),
         mask_value=draw(st.sampled_from((None, MASK_VALUE)))),
         draw(S.seeds))
 
@@ -146,6 +148,18 @@ def zero_lengths_between_others(p: PagedParams) -> bool:
     must skip the first and then loop over the rest (a wrong skip loads the pages of a
     sequence nobody reads, and the next one computes with them)."""
     return any(n and not any(p.lengths[b + 1:b + 3]) and any(p.lengths[b + 3:]) for b, n in enumerate(p.lengths))
+
+
+# Crossed pairwise: how many pages a compute block reads, where the lengths end in them, and
+# how megacore splits the work: the page walk, the length mask and the core's share meet.
+PAIRS = bugclasses.pairwise(
+    bugclasses.partition("compute_block", one_page=lambda p: p.pages_per_compute_block == 1,
+                         several_pages=lambda p: p.pages_per_compute_block > 1),
+    bugclasses.partition("lengths_end", in_first_block=lambda p: any(0 < n < p.block_tokens for n in p.lengths),
+                         in_a_later_block=lambda p: any(n > p.block_tokens and n % p.block_tokens for n in p.lengths),
+                         on_a_block_edge=lambda p: any(n and n % p.block_tokens == 0 for n in p.lengths)),
+    bugclasses.partition("megacore", off=lambda p: p.megacore_mode is None,
+                         kv_head=lambda p: p.megacore_mode == "kv_head", batch=lambda p: p.megacore_mode == "batch"))
 
 
 class PagedSpec(KernelSpec[PagedParams]):
@@ -200,7 +214,7 @@ class PagedSpec(KernelSpec[PagedParams]):
         # between compute blocks.
         bf16_running_output=lambda p: (p.dtype == "bfloat16" and p.groups % 8 == 0
                                        and any(n > p.block_tokens for n in p.lengths)),
-    ) + bugclasses.value_cells("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1"))
+    ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS + values_by_dtype(VALUE_KINDS)
     examples = {"interpret": 8, "interpret-hazards": 3, "tpu-lower": 4, "tpu": 24}
     fixed_parameters = {
         "*_pages.weight.dtype": "quantized pages are jax's paged_attention.quantization_utils format: int8",

@@ -26,7 +26,7 @@ from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
-                                  accepted_keywords)
+                                  accepted_keywords, values_by_dtype)
 
 FAMILY = "ragged_paged_attention"
 # The convention's array arguments, passed positionally.
@@ -63,6 +63,8 @@ DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bf
 # scale's cells (below 1, 1, above 1) on either side.
 KV_SCALES = ((0.5, 2.0), (0.3, 1.7), (1.0, 0.7), (2.0, 1.0))
 KV_SCALE_IS_POSITIVE = "a quantization scale maps stored values back to real ones: a positive factor"
+# "large": logits of magnitude tens (strategies.VALUE_KINDS), where an unguarded softmax overflows.
+VALUE_KINDS = ("normal", "large")
 SOFT_CAPS = (None, 5.0, 0.7, 1.0)
 SM_SCALES = (1.0, 1.7, 0.0, -0.5)  # besides 1/sqrt(head_dim): the scale's every cell
 SEQ_KINDS = ("decode", "chunked_prefill", "full_prefill", "empty")
@@ -157,7 +159,7 @@ def ragged_cases(draw) -> Case:
         k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, *SM_SCALES))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
         num_queries_per_block=draw(st.sampled_from((None, 8, 16, 24))),
-        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(("normal", "large"))),
+        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(VALUE_KINDS)),
         layout=layout, mask_value=draw(st.sampled_from((None, MASK_VALUE))),
         vmem_limit_bytes=draw(st.sampled_from((None, 64 * 1024 * 1024)))), seed)
 
@@ -243,6 +245,33 @@ def _padding_rows(case, inputs) -> dict[str, np.ndarray]:
     return {"out": (tokens >= inputs["cu_q_lens"][inputs["num_seqs"][0]])[:, None, None]}
 
 
+K_SCALE = bugclasses.numbers("k_scale", lambda p: p.k_scale, ("in (0, 1)", "one", "above 1"))
+KV_DTYPE = bugclasses.partition("kv_dtype", as_q=lambda p: p.kv_dtype == p.dtype,
+                                other_float=lambda p: p.kv_dtype != p.dtype and p.kv_dtype in S.DTYPES,
+                                quantized=lambda p: p.kv_dtype not in S.DTYPES)
+
+
+def _kv_span(p: RaggedParams) -> set[str]:
+    """Where the sequences' keys end against the kv blocks: within the first, on a block's
+    edge after it, inside a later one."""
+    block = p.kv_block_pages * p.page_size
+    return {"first_block" if k <= block else "later_block_edge" if k % block == 0 else "inside_later_block"
+            for _, k in p.seqs if k}
+
+
+# Crossed pairwise: the kv block, where the keys end in it, the kv dtype and the query
+# heads against the kv heads; and the quantized kv dtypes with their scales.
+PAIRS = bugclasses.pairwise(
+    bugclasses.partition("kv_block", one_page=lambda p: p.kv_block_pages == 1,
+                         several_pages=lambda p: p.kv_block_pages > 1),
+    bugclasses.partition("kv_span", **{span: (lambda p, span=span: span in _kv_span(p))
+                                       for span in ("first_block", "later_block_edge", "inside_later_block")}),
+    KV_DTYPE,
+    bugclasses.partition("heads", mha=lambda p: p.num_q_heads == p.num_kv_heads,
+                         gqa=lambda p: p.num_q_heads > p.num_kv_heads),
+) + bugclasses.pairwise(KV_DTYPE, K_SCALE)
+
+
 class RaggedSpec(KernelSpec[RaggedParams]):
     name = FAMILY
     fixed_parameters = {
@@ -299,11 +328,11 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         and p.shapes.max_tokens % p.num_queries_per_block != 0,
         compact_layout=lambda p: p.layout == "compact",
         explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p),
-    ) + (bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
-         + bugclasses.value_cells("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1"))
-         + bugclasses.value_cells("k_scale", lambda p: p.k_scale, ("in (0, 1)", "one", "above 1"))
-         + bugclasses.value_cells("v_scale", lambda p: p.v_scale, ("in (0, 1)", "one", "above 1")))
-    examples = {"interpret": 36, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
+    ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes
+         + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes
+         + K_SCALE.classes + bugclasses.numbers("v_scale", lambda p: p.v_scale, ("in (0, 1)", "one", "above 1")).classes
+         + PAIRS + values_by_dtype(VALUE_KINDS))
+    examples = {"interpret": 26, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
     contracts = (
         Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "
                  "cu_q_lens[num_seqs]) are zeros (this family's kernel promises it; an implementation that leaves them "

@@ -32,7 +32,7 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec
+from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, values_by_dtype
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 NUM_LANES = 128  # the ring flash kernel's blocks are lane tiles
@@ -161,6 +161,21 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
     return Case(family, params_type(**params), draw(S.seeds))
 
 
+SCALE = bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
+DEVICES = bugclasses.partition("devices", one=lambda p: p.devices == 1, two=lambda p: p.devices == 2,
+                               several=lambda p: p.devices > 2)
+CAUSAL = bugclasses.partition("causal", on=lambda p: p.causal, off=lambda p: not p.causal)
+SEGMENTS = bugclasses.partition("segments", **{kind: (lambda p, kind=kind: p.segments == kind)
+                                               for kind in SEGMENT_KINDS})
+
+
+def ring_pairs(*chunking: bugclasses.Partition) -> tuple[bugclasses.BugClass, ...]:
+    """A variant's pairs: the ring's devices, causal masking and segments, with how the
+    variant cuts a device's chunk (its ``chunking``), pairwise; the scale with causal masking
+    (a hidden key must stay hidden whatever its sign)."""
+    return bugclasses.pairwise(DEVICES, CAUSAL, SEGMENTS, *chunking) + bugclasses.pairwise(SCALE, CAUSAL)
+
+
 # Classes of every ring variant, in search order.
 RING_CLASSES = bugclasses.bug_classes(
     multi_device=lambda p: p.devices > 1,
@@ -173,6 +188,8 @@ RING_CLASSES = bugclasses.bug_classes(
     causal_ring=lambda p: p.causal and p.devices > 2,
     segments_cross_devices=lambda p: p.segments != "none" and any(s % p.per_device for s in p.segment_starts[1:]),
     fully_masked_row=lambda p: p.segments == "absent",
+    # One segment-id array for queries and keys instead of a (q, kv) pair.
+    single_segment_ids=lambda p: p.single_segment_ids and p.segments != "none",
     bias=lambda p: p.bias != "none",
     bf16=lambda p: p.dtype == "bfloat16",
     large_logits=lambda p: p.values == "large",
@@ -187,7 +204,7 @@ RING_CLASSES = bugclasses.bug_classes(
     batch_gt_1=lambda p: p.batch > 1 and p.devices > 1,
     bias_per_batch_element=lambda p: p.bias == "batch_keys" and p.batch > 1,
     devices_from_a_mesh=lambda p: p.placement == "mesh" and p.devices > 1,
-) + bugclasses.value_cells("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS)
+) + SCALE.classes + values_by_dtype()
 
 
 def _minor_kv_blocks(p: FlashRingParams) -> tuple[str, str] | None:
@@ -385,7 +402,7 @@ class BlockwiseRingSpec(RingSpec):
     keyword_targets = ("kernels.ring_attention:ring_attention",)
     backends = ("xla",)
     params_type = ChunkedRingParams
-    examples = {"xla": 60}
+    examples = {"xla": 48}
     # The nightly's draw (ring_attention-fdc5ac4dfb0d): dq and dk are 1 ulp of dP from 0.
     explicit_examples = {"only_one_key_rows": Case(name, ChunkedRingParams(
         dtype="float32", devices=2, seq_len=16, per_device=8, heads=1, head_dim=32, causal=False, bias="none",
@@ -402,7 +419,12 @@ class BlockwiseRingSpec(RingSpec):
         # leaves one query seeing one key, and every gradient of the case is a rounding of 0
         # (dP - rowsum(dO * O) cancels), judged at the floor unless the yardstick rounds it too.
         only_one_key_rows=lambda p: p.segments == "absent" and p.segment_starts == (0, 1),
-    ) + bugclasses.value_cells("dropout_rate", lambda p: p.dropout_rate, ("zero", "in (0, 1)", "not a power of two"))
+    ) + bugclasses.numbers("dropout_rate", lambda p: p.dropout_rate,
+                           ("zero", "in (0, 1)", "not a power of two")).classes + ring_pairs(
+        bugclasses.partition("key_chunks", one=lambda p: p.key_chunk_size == p.per_device,
+                             several=lambda p: p.key_chunk_size < p.per_device),
+        bugclasses.partition("query_chunks", one=lambda p: p.query_chunk_size == p.per_device,
+                             several=lambda p: p.query_chunk_size < p.per_device))
     fixed_parameters = {**RingSpec.fixed_parameters, **parameters.outside_convention(
         "attn_pdrop", ("negative", "one", "above 1"),
         "a dropout rate is a probability below 1 (at 1 the keep scale 1 / (1 - rate) divides by zero)")}
@@ -432,13 +454,13 @@ class StandardRingSpec(RingSpec):
     keyword_targets = ("kernels.ring_attention:ring_attention_standard",)
     backends = ("xla",)
     params_type = MaskedRingParams
-    examples = {"xla": 64}
+    examples = {"xla": 52}
     EXTRAS = RingSpec.EXTRAS + ("attn_mask",)
     fixed_parameters = {**RingSpec.fixed_parameters,
                         "attn_mask.dtype": "the convention's mask is boolean (an invalid call pins the rejection)"}
     # The bias is not part of this convention; a random mask with empty rows is.
     bug_classes = tuple(c for c in RING_CLASSES if not c.name.startswith("bias")) + bugclasses.bug_classes(
-        mask_with_empty_rows=lambda p: p.random_mask)
+        mask_with_empty_rows=lambda p: p.random_mask) + ring_pairs()
     # A draw of the class shows a backward's rounded-O di only on some data (2 of 40 seeds of
     # this configuration, at 3.3x the tolerance): this is one of them, found by the nightly.
     explicit_examples = {"bf16_large_logits": Case(name, MaskedRingParams(
@@ -498,7 +520,11 @@ class RingFlashSpec(RingSpec):
         # A forward tile over several batch elements, and a dkv pass whose kv blocks are
         # wider than a lane tile: block fields the draws otherwise leave at one value.
         flash_block_over_batch=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_b"] > 1,
-        wide_dkv_kv_blocks=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_dkv"] > NUM_LANES)
+        wide_dkv_kv_blocks=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_dkv"] > NUM_LANES,
+    ) + ring_pairs(bugclasses.partition(
+        "kv_blocks", default=lambda p: not p.flash_blocks,
+        one=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] == p.per_device,
+        several=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] < p.per_device))
 
     def call(self, impl, p: FlashRingParams):
         blocks = {"block_sizes": _block_sizes_type(impl)(**dict(p.flash_blocks))} if p.flash_blocks else {}

@@ -37,9 +37,22 @@ from attncheck.cases import Case
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import BUG_CLASS, INVALID_CALL, Contract, Shipped
 from attncheck.specs import splash_blocks as blocks
-from attncheck.specs.base import MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec
+from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
+                                  values_by_dtype)
 from attncheck.specs.splash_cases import FAMILY, NUM_LANES, SplashParams, splash_cases
 from attncheck.specs.splash_masks import build
+
+
+# Crossed pairwise: the forward's kv blocks, the backward's kernels, the heads against the
+# kv heads, and how the call is sharded: a head or q-sequence shard's offsets meet each.
+PAIRS = bugclasses.pairwise(
+    bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_kv"] >= p.kv_len,
+                         several=lambda p: p.block_sizes["block_kv"] < p.kv_len),
+    bugclasses.partition("backward", fused=lambda p: p.fused_bwd, dq_kernel=lambda p: not p.fused_bwd),
+    bugclasses.partition("heads", mha=lambda p: p.api == "mha" and p.kv_heads == p.heads,
+                         gqa=lambda p: p.api == "mha" and p.kv_heads < p.heads, mqa=lambda p: p.api == "mqa"),
+    bugclasses.partition("shards", none=lambda p: p.device_count == 1, heads=lambda p: p.head_shards > 1,
+                         q_seq=lambda p: p.q_seq_shards > 1))
 
 
 class SplashSpec(KernelSpec[SplashParams]):
@@ -106,7 +119,7 @@ class SplashSpec(KernelSpec[SplashParams]):
                                                             blocks.nan_backward),
         q_seq_shards_without_partial_blocks=blocks.q_seq_shards_without_partial_blocks,
         q_seq_shard_without_keys=blocks.q_seq_shard_without_keys,
-    ) + bugclasses.value_cells("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1"))
+    ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS + values_by_dtype()
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     fixed_parameters = {
         "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "

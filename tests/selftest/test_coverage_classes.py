@@ -178,3 +178,25 @@ def test_a_ring_family_takes_one_coverage_example_on_a_ring_of_8(family):
     spec = all_specs()[family]
     on_8 = [case for case in coverage.examples(spec) if case.params.device_count == 8]
     assert len(on_8) == 1 and "ring_of_8" in spec.classes(on_8[0]), [spec.classes(c) for c in on_8]
+
+
+def test_pairwise_names_a_class_for_each_pair_of_cells_of_two_partitions():
+    from attncheck import bugclasses
+
+    causal = bugclasses.partition("causal", on=lambda p: p[0], off=lambda p: not p[0])
+    blocks = bugclasses.partition("kv_blocks", one=lambda p: p[1] == 1, several=lambda p: p[1] > 1)
+    scale = bugclasses.numbers("scale", lambda p: p[2], ("negative", "zero"))
+    pairs = bugclasses.pairwise(causal, blocks, scale)
+    assert [c.name for c in pairs] == [
+        "causal_on__kv_blocks_one", "causal_on__kv_blocks_several", "causal_off__kv_blocks_one",
+        "causal_off__kv_blocks_several", "causal_on__scale_negative", "causal_on__scale_zero",
+        "causal_off__scale_negative", "causal_off__scale_zero", "kv_blocks_one__scale_negative",
+        "kv_blocks_one__scale_zero", "kv_blocks_several__scale_negative", "kv_blocks_several__scale_zero"]
+    # (causal, kv blocks, scale): a case reaches exactly the pairs of its cells.
+    assert bugclasses.exercised(pairs, (True, 3, 0.0)) == sorted(
+        ["causal_on__kv_blocks_several", "causal_on__scale_zero", "kv_blocks_several__scale_zero"])
+    with pytest.raises(ValueError, match="partition\\('causal'\\)"):
+        bugclasses.partition("causal", on=lambda p: True)
+    with pytest.raises(ValueError, match="distinct partitions"):
+        bugclasses.pairwise(causal, causal)
+

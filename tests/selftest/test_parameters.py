@@ -147,12 +147,12 @@ def test_a_real_parameter_must_reach_every_cell_unless_declared_outside_the_conv
 def test_value_cell_classes_reach_their_cells_and_name_them():
     from attncheck import bugclasses
 
-    classes = bugclasses.value_cells("sm_scale", lambda p: p, ("negative", "in (0, 1)", "not a power of two"))
+    classes = bugclasses.numbers("sm_scale", lambda p: p, ("negative", "in (0, 1)", "not a power of two")).classes
     assert [c.name for c in classes] == ["sm_scale_negative", "sm_scale_in_0_1", "sm_scale_not_a_power_of_two"]
     assert [[c.applies(v) for v in (-0.5, 0.25, 0.3, None)] for c in classes] == [
         [True, False, False, False], [False, True, True, False], [False, False, True, False]]
-    with pytest.raises(ValueError, match="value_cells\\('sm_scale'\\)"):
-        bugclasses.value_cells("sm_scale", lambda p: p, ("small",))
+    with pytest.raises(ValueError, match="numbers\\('sm_scale'\\)"):
+        bugclasses.numbers("sm_scale", lambda p: p, ("small",))
 
 
 def test_an_unreached_cell_is_a_coverage_problem_named_in_the_report(tmp_path):
