@@ -22,7 +22,7 @@ import numpy as np
 from attncheck import interpret_compat, numerics, yardstick
 from attncheck.backends import Backend
 from attncheck.cases import Case
-from attncheck.compiled import impl_origin
+from attncheck.compiled import impl_origin, release_when_mappings_run_out
 from attncheck.expectations import BUG_CLASS, CONTRACT, Expectation
 from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record, target_id
@@ -252,6 +252,7 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     """Run a case and judge every direction; ``started`` is told the case is about to run;
     ``maps`` chooses the records that carry an error map (None: none)."""
     base = case_run(target, case, report_dir, nodeid)
+    release_when_mappings_run_out()
     if started is not None:
         started(base)
     if not target.backend.compares_numerics:

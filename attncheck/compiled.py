@@ -9,6 +9,8 @@ configuration reuses one executable. A spec names what forces a new program in i
 from __future__ import annotations
 
 import functools
+import gc
+import pathlib
 import sys
 import types
 from collections.abc import Callable, Hashable
@@ -53,6 +55,47 @@ def compiled(key: Hashable, build: Callable[[], Callable]) -> Callable:
     if fn is None:
         fn = _COMPILED[key] = jax.jit(interpret_compat.in_collective_order(build()))
     return fn
+
+
+# Each compiled XLA CPU program maps its code into the process (about 6 mappings each, kept
+# while jax or this module holds the program). A nightly shard's worker compiled enough of
+# them in 18 minutes to reach the kernel's limit on mappings (vm.max_map_count, 65530 by
+# default), and then XLA's LLVM failed to map a new program ("Cannot allocate memory") and
+# aborted the worker: lost cases. Past half the limit, every program is let go (and
+# compiled again, mostly from the persistent cache, when a case needs it).
+_MAPS = pathlib.Path("/proc/self/maps")
+_MAP_LIMIT = pathlib.Path("/proc/sys/vm/max_map_count")
+
+
+def mapping_count() -> int | None:
+    """Memory mappings of this process (None where the platform does not say)."""
+    try:
+        with _MAPS.open("rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+@functools.cache
+def mapping_budget() -> int | None:
+    """How many mappings a process may hold before its programs are let go: half the limit."""
+    try:
+        return int(_MAP_LIMIT.read_text()) // 2
+    except (OSError, ValueError):
+        return None
+
+
+def release_when_mappings_run_out(budget: int | None = None) -> bool:
+    """Let every compiled program go when the process holds more mappings than ``budget``
+    (default: ``mapping_budget()``); True when it did."""
+    budget = mapping_budget() if budget is None else budget
+    count = mapping_count()
+    if budget is None or count is None or count <= budget:
+        return False
+    _COMPILED.clear()
+    jax.clear_caches()
+    gc.collect()
+    return True
 
 
 def with_vjp(forward: Callable[..., Any]) -> Callable:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from attncheck import compiled
 from tests.selftest import chaos, harness, toy_spec
 
 CHAOS = "tests.selftest.chaos"
@@ -323,3 +324,22 @@ def test_report_merges_any_run_of_the_directory(gate_dir, pytester):
     assert proc.returncode == 0 and harness.load_report(gate_dir / "rep")["verdict"] == "PASS"
     proc = harness.cli(gate_dir, "report", "--report", "rep", "--run", "20990101T0000000")
     assert proc.returncode == 2 and "no such run" in proc.stderr
+
+
+@pytest.mark.skipif(compiled.mapping_count() is None, reason="the platform does not list a process's mappings")
+def test_a_process_near_its_mapping_limit_lets_its_compiled_programs_go():
+    """XLA maps each compiled CPU program into the process: a nightly shard's worker reached
+    vm.max_map_count after 18 minutes and lost its cases to LLVM's "Cannot allocate memory"."""
+    import jax
+    import jax.numpy as jnp
+
+    for n in range(10):  # the specs' programs, and a jitted helper of module scope (the yardstick's)
+        compiled.compiled(("selftest-mappings", n), lambda n=n: lambda x: jnp.sin(x) * n)(jnp.ones(4))
+    helper = jax.jit(lambda x: jnp.cos(x) + 1)
+    for n in range(1, 51):
+        helper(jnp.ones(n)).block_until_ready()
+    held = compiled.mapping_count()
+    assert not compiled.release_when_mappings_run_out(budget=held + 10_000)
+    assert compiled.release_when_mappings_run_out(budget=held - 1)
+    assert compiled.mapping_count() < held - 200  # 60 programs of about 6 mappings each
+    assert not [key for key in compiled._COMPILED if key[0] == "selftest-mappings"]
