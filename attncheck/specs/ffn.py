@@ -32,7 +32,6 @@ FEATURES = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
 FEATURES_OUT = (16, 24)
 HIDDEN = S.Shapes(ci=(64, 128), nightly=(32, 64, 128, 256))
 # The leading axes of the inputs: none, a batch, two.
-VALUE_KINDS = ("normal", "large")
 LEADS = ((), (1,), (2,), (2, 2))
 PARAM_NAMES = ("w_in", "b_in", "w_out", "b_out")
 DROPOUT_RATE = 0.25
@@ -73,7 +72,7 @@ def ffn_cases(draw) -> Case[FFNParams]:
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), lead=draw(st.sampled_from(LEADS)), seq_len=seq,
         chunk_size=chunk, features=features, features_out=draw(st.sampled_from((features,) + FEATURES_OUT)),
         hidden=draw(st.sampled_from(HIDDEN())), biases=draw(st.booleans()),
-        values=draw(st.sampled_from(VALUE_KINDS)), stochastic=draw(st.booleans()),
+        values=draw(st.sampled_from(S.NORMAL_AND_LARGE)), stochastic=draw(st.booleans()),
         remat=draw(st.booleans()), policy=draw(st.sampled_from(tuple(POLICIES))), prevent_cse=draw(st.booleans())),
         seed)
 
@@ -110,7 +109,7 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         features_out_ne_features=lambda p: p.features_out != p.features,
         no_leading_axes=lambda p: not p.lead,
         two_leading_axes=lambda p: len(p.lead) > 1,
-        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len) + values_by_dtype(VALUE_KINDS)
+        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len) + values_by_dtype(S.NORMAL_AND_LARGE)
     fixed_parameters = {"ffn": "the convention passes the position-wise FFN of the implementation's own module "
                                "(a dropout wrapper of it with rng)",
                         "rng.dtype": "the key type of jax.random.key, the convention's rng"}

@@ -274,7 +274,8 @@ class FlashSpec(KernelSpec[FlashParams]):
         # yardstick missing it (dv 1.4x its tolerance on a correct kernel).
         f32_wide_head_retiled_backward=lambda p: (p.dtype == "float32" and p.head_dim == 256
                                                   and len(set(logit_tiles(p))) > 1),
-    ) + bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS + values_by_dtype()
+    ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS
+         + values_by_dtype())
     examples = {"interpret": 20, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
     # of the CI profile's strategy found none once a value kind was added, the nightly's

@@ -58,8 +58,6 @@ SPARE_PAGES = 3  # pages in the pool no sequence owns: NaN
 # An explicit mask value, large enough that masked logits underflow like the default's.
 MASK_VALUE = -1e30
 SOFT_CAP = 10.0  # below the logits' spread (q.k has std sqrt(D) >= 11): it saturates
-# "large": logits of magnitude tens (strategies.VALUE_KINDS), where an unguarded softmax overflows.
-VALUE_KINDS = ("normal", "large")
 SOFT_CAPS = (None, SOFT_CAP, 0.7, 1.0)  # and the cap's other cells: below 1, 1
 # What the slots past a length inside a read compute block hold: finite, so the additive
 # mask can hide them, and large, so that one leaking in is far off.
@@ -126,7 +124,7 @@ def paged_cases(draw) -> Case[PagedParams]:
         head_dim=head_dim, page_size=page_size, pages_per_sequence=pages,
         pages_per_compute_block=draw(st.sampled_from(S.divisors(pages, 1))),
         lengths=tuple(draw(lengths)), megacore_mode=draw(st.sampled_from(megacore)), inline_seq_dim=inline,
-        soft_cap=draw(st.sampled_from(SOFT_CAPS)), values=draw(st.sampled_from(VALUE_KINDS)),
+        soft_cap=draw(st.sampled_from(SOFT_CAPS)), values=draw(st.sampled_from(S.NORMAL_AND_LARGE)),
         mask_value=draw(st.sampled_from((None, MASK_VALUE)))),
         draw(S.seeds))
 
@@ -214,7 +212,8 @@ class PagedSpec(KernelSpec[PagedParams]):
         # between compute blocks.
         bf16_running_output=lambda p: (p.dtype == "bfloat16" and p.groups % 8 == 0
                                        and any(n > p.block_tokens for n in p.lengths)),
-    ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS + values_by_dtype(VALUE_KINDS)
+    ) + (bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
+         + values_by_dtype(S.NORMAL_AND_LARGE))
     examples = {"interpret": 8, "interpret-hazards": 3, "tpu-lower": 4, "tpu": 24}
     fixed_parameters = {
         "*_pages.weight.dtype": "quantized pages are jax's paged_attention.quantization_utils format: int8",

@@ -63,8 +63,6 @@ DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bf
 # scale's cells (below 1, 1, above 1) on either side.
 KV_SCALES = ((0.5, 2.0), (0.3, 1.7), (1.0, 0.7), (2.0, 1.0))
 KV_SCALE_IS_POSITIVE = "a quantization scale maps stored values back to real ones: a positive factor"
-# "large": logits of magnitude tens (strategies.VALUE_KINDS), where an unguarded softmax overflows.
-VALUE_KINDS = ("normal", "large")
 SOFT_CAPS = (None, 5.0, 0.7, 1.0)
 SM_SCALES = (1.0, 1.7, 0.0, -0.5)  # besides 1/sqrt(head_dim): the scale's every cell
 SEQ_KINDS = ("decode", "chunked_prefill", "full_prefill", "empty")
@@ -159,7 +157,7 @@ def ragged_cases(draw) -> Case:
         k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, *SM_SCALES))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
         num_queries_per_block=draw(st.sampled_from((None, 8, 16, 24))),
-        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(VALUE_KINDS)),
+        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(S.NORMAL_AND_LARGE)),
         layout=layout, mask_value=draw(st.sampled_from((None, MASK_VALUE))),
         vmem_limit_bytes=draw(st.sampled_from((None, 64 * 1024 * 1024)))), seed)
 
@@ -331,7 +329,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes
          + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes
          + K_SCALE.classes + bugclasses.numbers("v_scale", lambda p: p.v_scale, ("in (0, 1)", "one", "above 1")).classes
-         + PAIRS + values_by_dtype(VALUE_KINDS))
+         + PAIRS + values_by_dtype(S.NORMAL_AND_LARGE))
     examples = {"interpret": 26, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
     contracts = (
         Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "

@@ -119,7 +119,8 @@ class SplashSpec(KernelSpec[SplashParams]):
                                                             blocks.nan_backward),
         q_seq_shards_without_partial_blocks=blocks.q_seq_shards_without_partial_blocks,
         q_seq_shard_without_keys=blocks.q_seq_shard_without_keys,
-    ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS + values_by_dtype()
+    ) + (bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
+         + values_by_dtype())
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     fixed_parameters = {
         "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "

@@ -18,6 +18,8 @@ DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat
 # Value distributions. Uniform [0, 1) is deliberately absent: all-positive inputs hide sign
 # bugs (a dropped minus, a max that starts at 0 instead of -inf).
 VALUE_KINDS = ("normal", "large", "ties", "offset")
+# The kinds of the families that draw only these two (paged, ragged, blockwise FFN).
+NORMAL_AND_LARGE = VALUE_KINDS[:2]
 # "large": logits of magnitude ~ LARGE_LOGIT_STD * scale * sqrt(d) ~ tens, where a float32
 # softmax that does not subtract the running max overflows, and one that does stays exact.
 LARGE_LOGIT_STD = 4.0
