@@ -339,6 +339,7 @@ class GateSession:
         self.writer.log_faults()  # after pytest's faulthandler plugin has set stderr
         self._keep_native_stderr()
         self.watchdog = watchdog.Watchdog(self._end_hung_test)
+        self._timed = None  # (item, settings) of the test pytest-timeout's timer runs for
         self.session = session
         if not self.is_worker:
             self.config.pluginmanager.register(MaxfailStop(session, self.stop_file), "attncheck-maxfail-stop")
@@ -372,6 +373,7 @@ class GateSession:
         replay forever with no timer left.
         """
         result = yield
+        self._timed = (item, settings)
         self.watchdog.arm(item.nodeid, settings.timeout)
         handler = signal.getsignal(signal.SIGALRM)
         if settings.method == "signal" and callable(handler) and threading.current_thread() is threading.main_thread():
@@ -385,8 +387,22 @@ class GateSession:
 
     @pytest.hookimpl(wrapper=True, optionalhook=True)
     def pytest_timeout_cancel_timer(self, item):
+        self._timed = None
         self.watchdog.disarm()
         return (yield)
+
+    def case_started(self, case_run: rec.CaseRun) -> None:
+        """A gate test's case is about to run: its started marker, and the test's limit
+        (pytest-timeout's timer and the watchdog) counted again from now.
+
+        --timeout bounds a case, not the test: a gate test runs as many cases as the profile
+        draws (the nightly's ring_attention drawn test ran 855 s of a 900 s limit on this
+        runner), and a hang is a case that does not end."""
+        self.writer.started(case_run)
+        if self._timed is not None:
+            item, settings = self._timed
+            self.config.hook.pytest_timeout_cancel_timer(item=item)
+            self.config.hook.pytest_timeout_set_timer(item=item, settings=settings)
 
     def _end_hung_test(self, test: str, limit_s: float) -> None:
         """The watchdog's end of a test past its limit (on the watchdog's thread): the case
@@ -394,7 +410,7 @@ class GateSession:
         the process ends. A worker's controller then replaces it and the run goes on; a run
         without workers (-n 0) merges its report first, so it ends with a verdict."""
         case = self.writer.in_flight
-        reason = (f"timed out after {limit_s:g} s (the test's limit, --timeout): the case did not end within "
+        reason = (f"timed out after {limit_s:g} s (a case's limit, --timeout): the case did not end within "
                   f"{limit_s * (1 + watchdog.GRACE):g} s, so its process was ended; the stack of every thread is "
                   f"in {self.writer.faults_path.name} in the report's records")
         if case is not None:

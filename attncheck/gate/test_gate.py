@@ -32,7 +32,7 @@ def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attnche
             attncheck_stop_point()
             try:
                 outcome = check.check_case(target, case, report_dir=run.report_arg, nodeid=nodeid,
-                                           started=attncheck_writer.started, maps=run.error_maps)
+                                           started=run.case_started, maps=run.error_maps)
             except BaseException as exc:
                 # A timeout anywhere else in the case: its started marker names it in the
                 # report; a replay must not run (and hang) it again.

@@ -6,7 +6,7 @@ callback, or inside a host callback behind interpret-mode Pallas kernels, where 
 it off the main thread as it runs an interpreted kernel's deadlock), kills its process, returns the wrong
 shape, dtype or structure, returns NaN everywhere, raises with markup in its message, or
 handles invalid input its own way (accepts it, rejects it vaguely, or with its own
-exception class).
+exception class); or it is correct and slow, each case inside the limit and its test past it.
 Those that kill their process do it on their ``MISBEHAVE_AT``-th case, after earlier cases
 recorded normally; they run eagerly so that their N-th call is the N-th case. Those that
 hang reject invalid inputs first, as the convention requires (the gate's invalid-input tests
@@ -91,6 +91,24 @@ def hang_behind_pallas(q, k, v, *, causal: bool, sm_scale: float):
     spec = jax.sharding.PartitionSpec("devices")
     stuck = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale) + jax.lax.stop_gradient(stuck.sum()).astype(q.dtype)
+
+
+# How long each call of slow_in_callback waits (measured: once per case), well inside the
+# self-tests' short limit; a test of its four drawn cases takes more than the limit.
+SLOW_CALL_S = 2.0
+
+
+def _wait(x):
+    time.sleep(SLOW_CALL_S)
+    return x
+
+
+def slow_in_callback(q, k, v, *, causal: bool, sm_scale: float):
+    """Correct, and slow in a host callback on every call: a case takes a fraction of the
+    limit, its test more than all of it."""
+    validate(q, k, v)
+    wait = jax.pure_callback(_wait, jax.ShapeDtypeStruct((), jnp.float32), jnp.zeros((), jnp.float32))
+    return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale) + jax.lax.stop_gradient(wait).astype(q.dtype)
 
 
 def _on_call(name: str, misbehave) -> None:

@@ -8,6 +8,7 @@ records of the cases that ran before the misbehaviour.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import signal
@@ -136,6 +137,18 @@ def test_a_hang_stops_its_test_once_names_the_case_and_the_run_goes_on(gate_dir,
                for r in hung), [r["reason"] for r in hung]
 
 
+def test_the_limit_bounds_each_case_not_a_test_of_many(gate_dir, pytester):
+    """--timeout is a case's limit: a gate test runs as many cases as its profile draws, and
+    a correct implementation whose cases each end well inside the limit passes."""
+    result = harness.run_gate(pytester, "rep", impl("slow_in_callback"), f"--timeout={SHORT_TIMEOUT_S}")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert harness.load_report(gate_dir / "rep")["verdict"] == "PASS"
+    # The premise: a gate test ran past the limit.
+    seconds = json.loads((gate_dir / "rep" / "durations.json").read_text())
+    longest = max(s for test, s in seconds.items() if "test_kernel_matches_oracle" in test)
+    assert longest > SHORT_TIMEOUT_S, seconds
+
+
 # How each way of running the gate meets a hang no signal reaches: the command, whether the
 # run goes on past it (the watchdog ends a worker, xdist starts another) or ends with a verdict.
 UNREACHABLE_HANG_RUNS = {
@@ -175,7 +188,7 @@ def test_a_hang_no_signal_reaches_ends_within_twice_its_limit_and_names_the_case
     # now and then, so a later case may still end by the signal; the first one cannot.
     assert all(re.search(rf"timed out after {SHORT_TIMEOUT_S:g} s|Timeout \(?>{SHORT_TIMEOUT_S:.1f}s", r["reason"])
                for r in hung), [r["reason"] for r in hung]
-    ended = [r for r in hung if r["reason"].startswith(f"timed out after {SHORT_TIMEOUT_S:g} s (the test's limit")]
+    ended = [r for r in hung if r["reason"].startswith(f"timed out after {SHORT_TIMEOUT_S:g} s (a case's limit")]
     assert ended, [r["reason"] for r in hung]
     faults = (gate_dir / "rep" / "records").glob("*.faults")
     assert any("_forever_off_the_main_thread" in f.read_text() for f in faults)  # every thread's stack
