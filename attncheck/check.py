@@ -304,9 +304,9 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
 
 
 def _yardsticks(spec: KernelSpec, case: Case, inputs) -> dict[str, tuple[np.ndarray, ...]]:
-    """Direction -> the spec's yardstick summed in its order and in the reverse order
-    (``yardstick.reversed_sums``; one where the spec's yardstick does not use the shared
-    helpers and both agree): the tolerance is scaled by the larger error of the two."""
+    """Direction -> the spec's yardstick summed in its order and in another
+    (``yardstick.reversed_sums``: the reverse one for the shared helpers, the spec's own
+    otherwise; one where both agree): the tolerance is scaled by the larger error of the two."""
     forward = spec.yardstick(case, inputs)
     with yardstick.reversed_sums():
         backward = spec.yardstick(case, inputs)

@@ -57,7 +57,9 @@ def reversed_sums():
     """Every yardstick computed inside sums in the reverse order: its queries, keys and head
     dims are reversed before the computation and restored after it. The same arithmetic,
     another rounding: one summation order's worst error is one sample of what the working
-    precision costs, and a kernel sums in yet another order (tiles, blocks, a ring)."""
+    precision costs, and a kernel sums in yet another order (tiles, blocks, a ring). A spec
+    with a yardstick of its own asks ``in_reversed_sums()`` and sums in its own other order
+    (the blockwise FFN's dots term by term)."""
     previous = getattr(_ORDER, "reversed", False)
     _ORDER.reversed = True
     try:
@@ -66,7 +68,8 @@ def reversed_sums():
         _ORDER.reversed = previous
 
 
-def _reversing() -> bool:
+def in_reversed_sums() -> bool:
+    """Whether the yardstick is being computed inside ``reversed_sums()``."""
     return getattr(_ORDER, "reversed", False)
 
 
@@ -210,7 +213,7 @@ def attention(q, k, v, *, scale, ab=None, bias=None, visible=None, soft_cap=None
     q, k, v, ab, bias = _in_working_precision(q, k, v, ab, bias)
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
-    flip = _reversing()
+    flip = in_reversed_sums()
     qkv = [_flip(x, 2, 3) if flip else x for x in (q, k, v)]
     pairs = [_flip(x, -2, -1) if flip else x for x in (ab, bias, visible)]
     out = np.asarray(_attention(*qkv, *pairs, scale=scale, soft_cap=soft_cap, masked_rows=masked_rows))
@@ -225,7 +228,7 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
     if visible is None:
         visible = np.ones((1, 1, q.shape[2], k.shape[2]), dtype=bool)
     names = ["dq", "dk", "dv"] + (["dab"] if ab is not None else []) + (["dbias"] if bias is not None else [])
-    flip = _reversing()
+    flip = in_reversed_sums()
     # [B, H, S, D] arrays reverse S and D; [.., Q, K] ones Q and K (a broadcast axis of 1 stays).
     seqs = [_flip(x, 2, 3) if flip else x for x in (q, k, v, d_out)]
     pairs = [_flip(x, -2, -1) if flip else x for x in (ab, bias, visible, dropout_multiplier, fallback)]

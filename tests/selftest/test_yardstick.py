@@ -139,3 +139,22 @@ def test_the_tolerance_scales_by_the_larger_error_of_the_yardsticks():
     both = numerics.compare(truth + 4e-7, truth, (near, far), dtype=np.float32, direction="dq")
     assert one.yardstick_err == pytest.approx(1e-7) and both.yardstick_err == pytest.approx(3e-7)
     assert not one.passed and both.passed
+
+
+def test_a_chunked_ffn_is_held_to_the_error_of_a_loops_sum():
+    """The case that found it, nightly-drawable: this repository's blockwise FFN, float32,
+    hidden 256, large values, in chunks of 16 rows of [2, 2, 96, 64]. Its chunks' dots sum
+    term by term on CPU (bit for bit), 1.31e-5 from the oracle, where the whole array's
+    blocked dot is 3.52e-6 (4.68e-6 reversed): budget 1.10, a correct kernel failed. The
+    FFN's other order is the loop's."""
+    from attncheck import check
+    from attncheck.backends import BACKENDS
+    from attncheck.specs import all_specs, resolve_impl
+
+    spec = all_specs()["blockwise_ffn"]
+    case = spec.case(579, dtype="float32", lead=(2, 2), seq_len=96, chunk_size=16, features=64, features_out=24,
+                     hidden=256, biases=True, values="large", stochastic=False, remat=False, policy="none",
+                     prevent_cse=True)
+    target = check.Target(spec, "builtin", resolve_impl(spec.default_impls["builtin"]), BACKENDS["xla"])
+    outcome = check.check_case(target, case)
+    assert outcome.records and not outcome.failures, outcome.summary()
