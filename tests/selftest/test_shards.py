@@ -4,9 +4,11 @@ hand-written shard reports, and a real 4-way sharded toy gate against the unshar
 
 from __future__ import annotations
 
+import configparser
 import dataclasses
 import itertools
 import json
+import pathlib
 import random
 import re
 import statistics
@@ -26,6 +28,9 @@ from tests.selftest.test_report import APPLICABLE, record
 
 
 # ---------------------------------------------------------------------- the split
+NIGHTLY_DURATIONS = pathlib.Path("tests") / "nightly" / "durations.json"
+
+
 def _item(nodeid: str, family: str | None = None, fail_fast: bool = False, lead: bool = False):
     markers = {}
     if family is not None:
@@ -105,6 +110,25 @@ def test_tests_without_any_recorded_duration_still_spread_over_the_shards():
     items = [_item(f"t{i}") for i in range(8)]
     shard_of = scheduling.assign(items, {}, 4)
     assert sorted(shard_of.values()) == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_the_nightly_shards_split_its_longest_tests_by_the_nightlys_own_durations():
+    """The nightly draws 8x the CI's examples, so its drawn tests weigh what the CI's do not:
+    split by the CI's durations, its two longest (the blockwise FFN's and flash's drawn
+    tests, 979 and 902 s) shared one of four shards, 28.5 of its 30 minutes with its mutants.
+    tox's nightly env splits by the nightly's own record, and there its longest tests land in
+    as many shards."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    tox = configparser.ConfigParser()
+    tox.read(root / "tox.ini")
+    given = re.search(r"--attncheck-durations (\S+)", tox["testenv:nightly"]["commands"])
+    durations = scheduling.load(root / (given[1] if given else scheduling.DEFAULT_FILE))
+    nightly = scheduling.load(root / NIGHTLY_DURATIONS)
+    items = [_item(n, family[1] if (family := re.search(r"test_kernel_matches_oracle\[(\w+?)-", n)) else None,
+                   fail_fast="-coverage" in n) for n in nightly]
+    shard_of = scheduling.assign(items, durations, 4)
+    longest = sorted(nightly, key=nightly.get, reverse=True)[:4]
+    assert len({shard_of[n] for n in longest}) == 4, {n: (nightly[n], shard_of[n]) for n in longest}
 
 
 @pytest.mark.parametrize("text", ["0/4", "5/4", "2", "a/b", "2/0", "-1/3"])
