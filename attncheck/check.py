@@ -35,7 +35,7 @@ MAX_YARDSTICK_ULPS = 4096.0
 # of that distance from the oracle: then the working precision explains it. A gradient that
 # cancels to about 0 (dq of a saturated softmax: 3e-16 in float64) is all rounding in
 # float32 (1.4e-5, 5e17 ulps at its magnitude), and a bfloat16 dk of large values cancels
-# to 1/29 of what its rounding costs (7489 ulps, in a sum too short for its two summation
+# to 1/29 of what its rounding costs (7489 ulps, in a sum too short for its summation
 # orders to differ), while a wrong mapping is as wrong in float64.
 ROUNDING_FACTOR = 8.0
 # Spec modules under this package are always known to ``attncheck repro``; any other one
@@ -304,14 +304,25 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
 
 
 def _yardsticks(spec: KernelSpec, case: Case, inputs) -> dict[str, tuple[np.ndarray, ...]]:
-    """Direction -> the spec's yardstick summed in its order and in another
-    (``yardstick.reversed_sums``: the reverse one for the shared helpers, the spec's own
-    otherwise; one where both agree): the tolerance is scaled by the larger error of the two."""
-    forward = spec.yardstick(case, inputs)
-    with yardstick.reversed_sums():
-        backward = spec.yardstick(case, inputs)
-    return {d: (y,) if np.array_equal(y, backward[d], equal_nan=True) else (y, backward[d])
-            for d, y in forward.items()}
+    """Direction -> the spec's yardstick in each of ``yardstick.ORDERS`` summation orders,
+    the ones that differ: the tolerance is scaled by the largest error of them. A yardstick
+    whose reverse order equals its given one sums in one order only and is computed once
+    more, not ORDERS times."""
+    samples = []
+    for index in range(yardstick.ORDERS):
+        with yardstick.summation_order(index):
+            samples.append(spec.yardstick(case, inputs))
+        if index == 1 and all(np.array_equal(samples[0][d], y, equal_nan=True) for d, y in samples[1].items()):
+            break
+    return {d: _distinct(tuple(sample[d] for sample in samples)) for d in samples[0]}
+
+
+def _distinct(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    kept: list[np.ndarray] = []
+    for a in arrays:
+        if not any(np.array_equal(a, b, equal_nan=True) for b in kept):
+            kept.append(a)
+    return tuple(kept)
 
 
 def _exact_yardstick(spec: KernelSpec, case: Case, inputs) -> dict[str, np.ndarray]:

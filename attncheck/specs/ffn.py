@@ -37,6 +37,9 @@ LEADS = ((), (1,), (2,), (2, 2))
 PARAM_NAMES = ("w_in", "b_in", "w_out", "b_out")
 DROPOUT_RATE = 0.25
 POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
+# The axes of each input that the dense FFN sums over (features, hidden units): the
+# yardstick permutes them in each summation order, and its gradients back.
+_SUMMED_AXES = {"x": (-1,), "w_in": (0, 1), "b_in": (0,), "w_out": (0,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +183,20 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
 
     def yardstick(self, case, inputs):
         # Chunking is the kernel's business: one compiled dense FFN serves every chunk size.
-        # Its other order (``reversed_sums``) sums each dot term by term: a blocked dot's
-        # worst error is a few times smaller than a loop's, and a correct chunked kernel is a
-        # loop on CPU (measured, float32, hidden 256, large values: this repository's kernel
-        # was the term-by-term sum bit for bit, 1.31e-5 from the oracle against the blocked
-        # dot's 3.52e-6 and 4.68e-6 reversed, budget 1.10, on a nightly-drawable case).
-        term_by_term = yardstick.in_reversed_sums()
+        # In its given order its dots are whole arrays, which XLA's CPU code sums in Eigen's
+        # blocks; in every other order it sums them term by term, over that order's
+        # permutation of the features and hidden units. A blocked dot's worst error is a few
+        # times smaller than a loop's, and a correct chunked kernel is a loop on CPU
+        # (measured, float32, hidden 256, large values: this repository's kernel was the
+        # term-by-term sum bit for bit, 1.31e-5 from the oracle against the blocked dot's
+        # 3.52e-6, budget 1.10, on a nightly-drawable case).
+        term_by_term = yardstick.order() > 0
         dense = functools.partial(_dense_ffn, dot=_dot_term_by_term) if term_by_term else _dense_ffn
         dense = _with_dropout_multiplier(dense) if case.params.stochastic else dense
         extra = (inputs["dropout"].astype(np.float32),) if case.params.stochastic else ()
-        return _grads(dense, ("yardstick", case.params.stochastic, term_by_term), inputs, *extra)
+        permuted = {n: yardstick.permute(a, *_SUMMED_AXES[n]) if n in _SUMMED_AXES else a for n, a in inputs.items()}
+        result = _grads(dense, ("yardstick", case.params.stochastic, term_by_term), permuted, *extra)
+        return {d: yardstick.restore(y, *_SUMMED_AXES.get(d.removeprefix("d"), ())) for d, y in result.items()}
 
     def error_map_layout(self, case, direction):
         # Positions on the chunks the kernel scans; the weights' gradients sum over every
