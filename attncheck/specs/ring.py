@@ -247,7 +247,9 @@ class RingSpec(KernelSpec[RingParams]):
         if p.bias in ("full", "neg_inf_rows"):
             bias = rng.standard_normal((1, h, s, s))
             if p.bias == "neg_inf_rows":
-                bias[..., rng.random(s) < 0.2, :] = -np.inf
+                rows = rng.random(s) < 0.2
+                rows[0] |= not rows.any()  # the class's row, whatever the seed
+                bias[..., rows, :] = -np.inf
             out["bias"] = S.round_to(bias, dt)
         elif p.bias in ("key_padding", "batch_keys"):
             padded = rng.random((b if p.bias == "batch_keys" else 1, s)) < 0.25
