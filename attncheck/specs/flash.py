@@ -34,9 +34,13 @@ from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
 
 FAMILY = "flash_attention"
-# What the ab entries hold besides normal values: -inf entries (some keys and one whole row
-# of each [batch, head]), or NaN and +inf where the mask hides the key.
-BIAS_VALUE_KINDS = ("normal", "neg_inf", "nonfinite_masked")
+# What the ab entries hold besides normal values: -inf at some keys, every row keeping a
+# visible key ("neg_inf"); the same and one row whose own segment's keys are all -inf
+# ("neg_inf_row", the row ``emptied_row``); or NaN and +inf where the mask hides the key. A
+# kernel may handle scattered -inf entries and still fail a row they empty: the cells keep
+# the two apart, so a class can name each.
+BIAS_VALUE_KINDS = ("normal", "neg_inf", "neg_inf_row", "nonfinite_masked")
+NEG_INF_KINDS = ("neg_inf", "neg_inf_row")
 SEGMENT_DTYPES = ("int32", "int16")
 # None: the kernel's default; interpret mode has no VMEM, tpu-lower passes it to Mosaic.
 VMEM_LIMITS = (None, 64 * 1024 * 1024)
@@ -92,6 +96,7 @@ class FlashParams(Params):
     values: str  # an S.VALUE_KINDS distribution
     blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
     bias_values: str = "normal"  # a BIAS_VALUE_KINDS pattern of the ab entries
+    emptied_row: int | None = None  # the query row "neg_inf_row" empties (None for the other kinds)
     segment_dtype: str = "int32"
     vmem_limit_bytes: int | None = None
 
@@ -178,10 +183,54 @@ def segments_vary_across_tiles(p: FlashParams) -> bool:
     wrong tile changes the mask only then."""
     if p.segments != "packed":
         return False
-    q_ids = S.segment_ids_from_layout(p.segment_starts, p.q_len)
-    kv_ids = S.segment_ids_from_layout(p.segment_starts, p.kv_len)
+    q_ids, kv_ids = segment_ids(p)
     return all(_varies_across_tiles(q_ids, q_tile) and _varies_across_tiles(kv_ids, kv_block)
                for q_tile, kv_block in pass_tiles(p))
+
+
+def segment_ids(p: FlashParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """(q ids [Q], kv ids [K]) of the case's layout; None without segment ids."""
+    if p.segments == "none":
+        return None
+    q_ids = S.segment_ids_from_layout(p.segment_starts, p.q_len)
+    kv_ids = S.segment_ids_from_layout(p.segment_starts, p.kv_len)
+    if p.segments == "absent":
+        q_ids = np.where(q_ids == q_ids.max(), ABSENT_SEGMENT, q_ids)
+    return q_ids, kv_ids
+
+
+def emptied_row_keys(p: FlashParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """The emptied row's (causally visible, of its own segment) [K]: its ab is -inf at every
+    key of its own segment; None when the case empties no row."""
+    if not (p.bias and p.bias_values == "neg_inf_row"):
+        return None
+    causal = np.arange(p.kv_len) <= p.emptied_row if p.causal else np.ones(p.kv_len, bool)
+    ids = segment_ids(p)
+    return causal, np.ones(p.kv_len, bool) if ids is None else ids[1] == ids[0][p.emptied_row]
+
+
+def emptied_row(p: FlashParams, *, falls_back: bool) -> bool:
+    """The case's -inf ab hides every key of a row's own segment it sees, and the row falls
+    back on other segments' keys (``falls_back``) or sees none at all (0, no gradient)."""
+    keys = emptied_row_keys(p)
+    if keys is None:
+        return False
+    causal, same = keys
+    return bool((causal & same).any()) and bool((causal & ~same).any()) == falls_back
+
+
+def causal_fallback_fetches_hidden_keys(p: FlashParams) -> bool:
+    """The emptied row falls back under causal masking, and its forward q tile fetches a kv
+    block holding keys of other segments that are causally hidden from it (its own ones
+    carry -inf): a fallback that averages the masked keys a block holds, instead of those
+    the row may see, shows only then."""
+    if not (p.causal and emptied_row(p, falls_back=True)):
+        return False
+    causal, same = emptied_row_keys(p)
+    block_q, block_k = p.block_sizes["block_q"], p.block_sizes["block_k_major"]
+    last_query = (p.emptied_row // block_q + 1) * block_q - 1
+    fetched = np.arange(p.kv_len) < (last_query // block_k + 1) * block_k
+    return bool((fetched & ~causal & ~same).any())
 
 
 @st.composite
@@ -194,6 +243,7 @@ def flash_cases(draw) -> Case:
     batch, heads = draw(st.sampled_from(BATCH_HEADS()))
     seed = draw(S.seeds)
     bias = draw(st.booleans())
+    bias_values = draw(st.sampled_from(BIAS_VALUE_KINDS)) if bias else "normal"
     return Case(FAMILY, FlashParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
         q_len=q_len, kv_len=kv_len, head_dim=head_dim, causal=causal,
@@ -201,7 +251,7 @@ def flash_cases(draw) -> Case:
         bias=bias, segments=segments,
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
         values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len, batch)),
-        bias_values=draw(st.sampled_from(BIAS_VALUE_KINDS)) if bias else "normal",
+        bias_values=bias_values, emptied_row=draw(st.integers(0, q_len - 1)) if bias_values == "neg_inf_row" else None,
         segment_dtype=draw(st.sampled_from(SEGMENT_DTYPES)) if segments != "none" else "int32",
         vmem_limit_bytes=draw(st.sampled_from(VMEM_LIMITS))), seed)
 
@@ -254,10 +304,15 @@ class FlashSpec(KernelSpec[FlashParams]):
         **{f"causal_nested_{a}": (lambda p, a=a: p.causal and a in nested_tilings(p)) for a in NESTED_TILINGS},
         # The contracts of the kernel's docstring, each where it can be observed.
         causal_absent_rows_skip_blocks=causal_absent_rows_skip_blocks,
-        bias_neg_inf=lambda p: p.bias and p.bias_values == "neg_inf",
+        bias_neg_inf=lambda p: p.bias and p.bias_values in NEG_INF_KINDS,
         # A -inf ab entry must hide its key whatever the scale's sign (the nightly found
         # it: times -0.5 the largest logit, times 0 a NaN).
-        bias_neg_inf_nonpositive_scale=lambda p: p.bias and p.bias_values == "neg_inf" and p.sm_scale <= 0,
+        bias_neg_inf_nonpositive_scale=lambda p: p.bias and p.bias_values in NEG_INF_KINDS and p.sm_scale <= 0,
+        # A row whose -inf ab hides every key it would see: 0 with zero gradient when no
+        # other segment's key is visible to it, else the fallback of an absent segment's row.
+        bias_neg_inf_row_empty=lambda p: emptied_row(p, falls_back=False),
+        bias_neg_inf_row_falls_back=lambda p: emptied_row(p, falls_back=True),
+        causal_neg_inf_row_falls_back=causal_fallback_fetches_hidden_keys,
         bias_nonfinite_where_masked=lambda p: p.bias and p.bias_values == "nonfinite_masked" and p.causal,
         block_b_gt_1=lambda p: p.block_sizes["block_b"] > 1,
         # A backward pass whose q or kv blocks are wider than the forward's, under causal
@@ -311,11 +366,8 @@ class FlashSpec(KernelSpec[FlashParams]):
         out = {name: S.round_to(S.attention_values(rng, p.values, shape, role=name), dt)
                for name, shape in (("q", (b, h, q_len, d)), ("k", (b, h, kv_len, d)), ("v", (b, h, kv_len, d)),
                                    ("d_out", (b, h, q_len, d)))}
-        if p.segments != "none":
-            q_ids = S.segment_ids_from_layout(p.segment_starts, q_len)
-            kv_ids = S.segment_ids_from_layout(p.segment_starts, kv_len)
-            if p.segments == "absent":
-                q_ids = np.where(q_ids == q_ids.max(), ABSENT_SEGMENT, q_ids)
+        if (ids := segment_ids(p)) is not None:
+            q_ids, kv_ids = ids
             out["q_segment_ids"] = np.broadcast_to(q_ids, (b, q_len)).astype(p.segment_dtype)
             out["kv_segment_ids"] = np.broadcast_to(kv_ids, (b, kv_len)).astype(p.segment_dtype)
         if p.bias:
@@ -337,7 +389,7 @@ class FlashSpec(KernelSpec[FlashParams]):
     def evaluate(self, impl, case, inputs):
         p = case.params
         # What forces a new compile: everything but the values and the segment layout.
-        static = dataclasses.replace(p, values="", segment_starts=(),
+        static = dataclasses.replace(p, values="", segment_starts=(), bias_values="", emptied_row=None,
                                      segments="none" if p.segments == "none" else "given")
         primals, rest = _operands(inputs)
         fn = compiled(("flash", impl_key(impl), static), lambda: with_vjp(self._call(impl, p)))
@@ -397,14 +449,19 @@ class FlashSpec(KernelSpec[FlashParams]):
 
 def _bias(rng: np.random.Generator, p: FlashParams, inputs) -> np.ndarray:
     """ab in float64, with the non-finite entries its kind asks for. -inf goes only where
-    the key is of the query's own segment (a fallback key's bias is replaced, not used), so
-    a row it empties falls back on its other segments' keys or, without any, is 0."""
+    the key is of the query's own segment (a fallback key's bias is replaced, not used): at
+    some keys, each row keeping the last key it sees, and at every key of the emptied row,
+    which then falls back on its other segments' keys or, without any, is 0."""
     ab = rng.standard_normal((p.batch, p.heads, p.q_len, p.kv_len))
     same, causal = _segment_equal(inputs), _causal(p)
-    if p.bias_values == "neg_inf":
-        row = rng.integers(p.q_len, size=(p.batch, p.heads))
-        emptied = np.arange(p.q_len)[None, None, :, None] == row[:, :, None, None]
-        ab = np.where(same & (emptied | (rng.random(ab.shape) < 0.1)), -np.inf, ab)
+    if p.bias_values in NEG_INF_KINDS:
+        seen = np.broadcast_to(same & causal, ab.shape)
+        last_seen = p.kv_len - 1 - np.argmax(seen[..., ::-1], axis=-1)
+        kept = seen & (np.arange(p.kv_len) == last_seen[..., None])
+        hidden = same & (rng.random(ab.shape) < 0.1) & ~kept
+        if p.bias_values == "neg_inf_row":
+            hidden = hidden | (same & (np.arange(p.q_len) == p.emptied_row)[:, None])
+        ab = np.where(hidden, -np.inf, ab)
     elif p.bias_values == "nonfinite_masked":
         hidden = ~causal & (rng.random(ab.shape) < 0.5)
         ab = np.where(hidden, np.where(rng.random(ab.shape) < 0.5, np.nan, np.inf), ab)
