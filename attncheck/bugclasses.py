@@ -95,6 +95,15 @@ def pairwise(*partitions: Partition) -> tuple[BugClass, ...]:
                  for a in first.classes for b in second.classes)
 
 
+def presences(**given: Callable[[Params], bool]) -> tuple[BugClass, ...]:
+    """The optional inputs of a call, each's presence a partition of its own (``<name>_given``,
+    ``<name>_absent``), crossed pairwise where there are two or more: drawn apart, so that a
+    kernel that tests one input's presence where it means another's shows (``pairwise``)."""
+    parts = [partition(name, given=is_given, absent=lambda p, is_given=is_given: not is_given(p))
+             for name, is_given in given.items()]
+    return pairwise(*parts) if len(parts) > 1 else tuple(c for part in parts for c in part.classes)
+
+
 def exercised(classes: Iterable[BugClass], params: Params) -> list[str]:
     """Names of the classes a case's parameters exercise, sorted."""
     return sorted(c.name for c in classes if c.applies(params))

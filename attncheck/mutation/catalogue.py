@@ -586,6 +586,16 @@ CONTRACT_MUTANTS = [
            bug_class="rng_not_per_chunk"),
 ]
 
+# An optional input's presence read off another's: seen only where the draws give the
+# inputs apart (``bugclasses.presences``).
+PRESENCE_MUTANTS = [
+    Mutant("ffn-b-out-by-b-in", "blockwise_ffn", FFN,
+           find="    if params.b_out is not None:\n",
+           replace="    if params.b_in is not None:\n",
+           description="b_out added where b_in is given: one bias's presence read off the other's",
+           bug_class="optional_input_presence"),
+]
+
 CATALOGUE: list[Mutant] = [
     *FLASH_MASKING, *FLASH_SCALE, *FLASH_SOFTMAX, *FLASH_BLOCKS, *FLASH_STATE,
     *RAGGED_MASKING, *RAGGED_VALUES, *RAGGED_SOFTMAX, *RAGGED_DMA,
@@ -595,4 +605,5 @@ CATALOGUE: list[Mutant] = [
     *PAGED_MUTANTS,
     *DPA_MUTANTS,
     *CONTRACT_MUTANTS,
+    *PRESENCE_MUTANTS,
 ]

@@ -32,7 +32,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.expectations import Contract
-from attncheck.specs.base import BIAS_AXES, InvalidCall, KernelSpec, resolve_impl, values_by_dtype
+from attncheck.specs.base import BIAS_AXES, FLOAT32_ACCUMULATION, InvalidCall, KernelSpec, resolve_impl, values_by_dtype
 
 FAMILY = "dot_product_attention"
 # (batch, T, S, N, K, H): sizes off the usual tiles (the flash adapter pads them) and one on them.
@@ -41,6 +41,7 @@ SHAPES = (
     (1, 8, 5, 2, 2, 8),  # T > S: under top-left causal the rows past S see every key
     (2, 1, 7, 4, 1, 16),  # one query token (decode), one kv head
     (1, 136, 128, 2, 1, 64),  # the flash kernel's own tiles (no padding; its causal path), T > S
+    (1, 16, 2 * S.LONG_REDUCTION, 2, 1, 64),  # a long reduction over the keys
 )
 BIAS_LAYOUTS = {"none": None, "full": "BNTS", "per_head": "1NTS", "per_key": "B11S"}
 MASK_LAYOUTS = {"none": None, "per_head": "BNTS", "shared": "11TS"}
@@ -124,7 +125,7 @@ def dpa_inputs(case: Case[DPAParams]) -> dict[str, np.ndarray]:
     q_shape, kv_shape = (p.batch, p.q_heads, p.q_len, p.head_dim), (p.batch, p.kv_heads, p.kv_len, p.head_dim)
     out = {name: S.round_to(S.attention_values(rng, p.values, shape, role=role), dt).transpose(TO_HEADS_MAJOR)
            for name, role, shape in (("query", "q", q_shape), ("key", "k", kv_shape), ("value", "v", kv_shape),
-                                     ("d_out", "cotangent", q_shape))}
+                                     ("d_out", "d_out", q_shape))}
     if BIAS_LAYOUTS[p.bias]:
         out["bias"] = S.round_to(rng.standard_normal(_layout_shape(BIAS_LAYOUTS[p.bias], p)), dt)
     if MASK_LAYOUTS[p.mask]:
@@ -229,14 +230,22 @@ class DPASpec(KernelSpec[DPAParams]):
                                     and p.mask == "none" and p.window is None),
         bf16=lambda p: p.dtype == "bfloat16",
         large_logits=lambda p: p.values == "large",
+        # P @ V over thousands of keys of v far from 0, in bfloat16: where an accumulator
+        # narrower than float32 shows (the convention accumulates in float32).
+        long_reduction_offset_values=lambda p: (p.kv_len >= S.LONG_REDUCTION and p.values == "offset"
+                                                and p.dtype == "bfloat16"),
         decode=lambda p: p.q_len == 1,
         gqa=lambda p: 1 < p.kv_heads < p.q_heads,
         mqa=lambda p: p.kv_heads == 1 < p.q_heads,
         # Off the usual tiles (sequences not multiples of 8 / 128): padding must stay hidden.
         shape_off_tiles=_off_tiles,
-    ) + SCALE.classes + PAIRS + values_by_dtype()
+    ) + SCALE.classes + PAIRS + values_by_dtype() + bugclasses.presences(
+        bias=lambda p: p.bias != "none", mask=lambda p: p.mask != "none",
+        query_seq_lengths=lambda p: p.q_lengths is not None, key_value_seq_lengths=lambda p: p.kv_lengths is not None,
+        local_window_size=lambda p: p.window is not None)
     examples = {"xla": 8, "interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
-    contracts = (Contract("unseeing_rows_and_padding", "jax.nn's convention: a row that sees no key outputs the mean "
+    contracts = (FLOAT32_ACCUMULATION,
+                 Contract("unseeing_rows_and_padding", "jax.nn's convention: a row that sees no key outputs the mean "
                           "of v over all keys with that mean's gradient; rows past a query length output 0 and take no "
                           "gradient"),)
     fixed_parameters = {

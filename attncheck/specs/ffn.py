@@ -25,7 +25,7 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
+from attncheck.specs.base import FLOAT32_ACCUMULATION, InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
 
 FAMILY = "blockwise_ffn"
 SEQ_LENS = S.Shapes(ci=(64, 96, 256), nightly=(40, 64, 96, 256, 512))
@@ -51,7 +51,8 @@ class FFNParams(Params):
     features: int
     features_out: int
     hidden: int
-    biases: bool
+    b_in: bool  # given, each bias apart from the other
+    b_out: bool
     values: str  # "normal" or "large"
     stochastic: bool  # an ffn with dropout from the rng the kernel hands each chunk
     remat: bool
@@ -75,7 +76,7 @@ def ffn_cases(draw) -> Case[FFNParams]:
     return Case(FAMILY, FFNParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), lead=draw(st.sampled_from(LEADS)), seq_len=seq,
         chunk_size=chunk, features=features, features_out=draw(st.sampled_from((features,) + FEATURES_OUT)),
-        hidden=draw(st.sampled_from(HIDDEN())), biases=draw(st.booleans()),
+        hidden=draw(st.sampled_from(HIDDEN())), b_in=draw(st.booleans()), b_out=draw(st.booleans()),
         values=draw(st.sampled_from(S.NORMAL_AND_LARGE)), stochastic=draw(st.booleans()),
         remat=draw(st.booleans()), policy=draw(st.sampled_from(tuple(POLICIES))), prevent_cse=draw(st.booleans())),
         seed)
@@ -122,19 +123,19 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         multi_chunk=lambda p: p.chunk_size != p.seq_len,
         bf16=lambda p: p.dtype == "bfloat16",
         large_values=lambda p: p.values == "large",
-        no_bias=lambda p: not p.biases,
-        biases=lambda p: p.biases,
         # A chunk's dropout key must be its own: only several chunks show which one it got.
         stochastic_chunks=lambda p: p.stochastic and p.chunk_size < p.seq_len,
         features_out_ne_features=lambda p: p.features_out != p.features,
         no_leading_axes=lambda p: not p.lead,
         two_leading_axes=lambda p: len(p.lead) > 1,
-        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len) + values_by_dtype(S.NORMAL_AND_LARGE)
+        no_remat=lambda p: not p.remat and p.chunk_size < p.seq_len) + values_by_dtype(S.NORMAL_AND_LARGE) + (
+        bugclasses.presences(b_in=lambda p: p.b_in, b_out=lambda p: p.b_out, rng=lambda p: p.stochastic))
     fixed_parameters = {"ffn": "the convention passes the position-wise FFN of the implementation's own module "
                                "(a dropout wrapper of it with rng)",
                         "rng.dtype": "the key type of jax.random.key, the convention's rng"}
     examples = {"xla": 56}
-    contracts = (Contract("dropout_per_chunk", "with rng, chunk i calls ffn(params, x_i, rng=fold_in(rng, i)): the "
+    contracts = (FLOAT32_ACCUMULATION,
+                 Contract("dropout_per_chunk", "with rng, chunk i calls ffn(params, x_i, rng=fold_in(rng, i)): the "
                           "oracle applies the dropout masks that contract implies"),)
 
     def cases(self):
@@ -150,9 +151,11 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
                "w_in": S.round_to(rng.standard_normal((f, h)) / np.sqrt(f), dt),
                "w_out": S.round_to(rng.standard_normal((h, f_out)) / np.sqrt(h), dt),
                "d_out": S.round_to(rng.standard_normal(p.shape(f_out)), dt)}
-        if p.biases:
-            out["b_in"] = S.round_to(rng.standard_normal(h), dt)
-            out["b_out"] = S.round_to(rng.standard_normal(f_out), dt)
+        b_in, b_out = rng.standard_normal(h), rng.standard_normal(f_out)
+        if p.b_in:
+            out["b_in"] = S.round_to(b_in, dt)
+        if p.b_out:
+            out["b_out"] = S.round_to(b_out, dt)
         if p.stochastic:
             out["dropout"] = _dropout_multiplier(p, case.seed)
         return out

@@ -31,7 +31,8 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
+from attncheck.specs.base import (ATTENTION_AXES, BIAS_AXES, FLOAT32_ACCUMULATION, InvalidCall, KernelSpec,
+                                  accepted_keywords, values_by_dtype)
 
 FAMILY = "flash_attention"
 # What the ab entries hold besides normal values: -inf at some keys, every row keeping a
@@ -330,7 +331,7 @@ class FlashSpec(KernelSpec[FlashParams]):
         f32_wide_head_retiled_backward=lambda p: (p.dtype == "float32" and p.head_dim == 256
                                                   and len(set(logit_tiles(p))) > 1),
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS
-         + values_by_dtype())
+         + values_by_dtype() + bugclasses.presences(ab=lambda p: p.bias, segment_ids=lambda p: p.segments != "none"))
     examples = {"interpret": 20, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
     # of the CI profile's strategy found none once a value kind was added, the nightly's
@@ -348,7 +349,7 @@ class FlashSpec(KernelSpec[FlashParams]):
             blocks=(("block_q", 256), ("block_k_major", 128), ("block_k", 128), ("block_b", 1),
                     ("block_q_major_dkv", 128), ("block_k_major_dkv", 128), ("block_k_dkv", 128), ("block_q_dkv", 128),
                     ("block_k_major_dq", 128), ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
-    contracts = (
+    contracts = (FLOAT32_ACCUMULATION, 
         Contract("absent_segment_rows", "a row that sees no key of its own segment averages v uniformly over the "
                  "causally visible keys of the other segments, with the softmax gradient at those weights, causal "
                  "included (the kernel's docstring)"),

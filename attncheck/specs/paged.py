@@ -40,8 +40,8 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key
 from attncheck.expectations import BUG_CLASS, Contract, Shipped
-from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
-                                  accepted_keywords, values_by_dtype)
+from attncheck.specs.base import (FLOAT32_ACCUMULATION, MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall,
+                                  KernelSpec, accepted_keywords, values_by_dtype)
 
 FAMILY = "paged_attention"
 # (batch, q_heads, kv_heads, head_dim, page_size, pages_per_sequence): head_dim a multiple
@@ -213,7 +213,8 @@ class PagedSpec(KernelSpec[PagedParams]):
         bf16_running_output=lambda p: (p.dtype == "bfloat16" and p.groups % 8 == 0
                                        and any(n > p.block_tokens for n in p.lengths)),
     ) + (bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
-         + values_by_dtype(S.NORMAL_AND_LARGE))
+         + values_by_dtype(S.NORMAL_AND_LARGE)
+         + bugclasses.presences(attn_logits_soft_cap=lambda p: p.soft_cap is not None))
     examples = {"interpret": 8, "interpret-hazards": 3, "tpu-lower": 4, "tpu": 24}
     fixed_parameters = {
         "*_pages.weight.dtype": "quantized pages are jax's paged_attention.quantization_utils format: int8",
@@ -223,7 +224,7 @@ class PagedSpec(KernelSpec[PagedParams]):
         "page_indices.dtype": "the kernel's scalar-prefetch operands are int32",
         **parameters.outside_convention("attn_logits_soft_cap", ("negative", "zero"), SOFT_CAP_IS_POSITIVE),
         **parameters.outside_convention("mask_value", ("*",), MASK_VALUE_UNDERFLOWS)}
-    contracts = (
+    contracts = (FLOAT32_ACCUMULATION, 
         Contract("bfloat16_pages", "float pages are computed with as bfloat16 (the kernel loads every page so): the "
                  "oracle and the yardstick get the pages rounded to bfloat16, the tolerance is not widened"),
         Contract("additive_mask", "the mask is additive: slots past a length inside the last compute block read must "

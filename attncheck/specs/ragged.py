@@ -25,8 +25,8 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
-                                  accepted_keywords, values_by_dtype)
+from attncheck.specs.base import (FLOAT32_ACCUMULATION, MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall,
+                                  KernelSpec, accepted_keywords, values_by_dtype)
 
 FAMILY = "ragged_paged_attention"
 # The convention's array arguments, passed positionally.
@@ -59,9 +59,10 @@ HEAD_LAYOUTS = ((2, 2), (4, 2), (4, 1), (8, 1), (16, 8))
 # (query dtype, kv dtype): packed kv dtypes only with scales (they are quantized caches).
 DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
                ("bfloat16", "int8"), ("bfloat16", "float8_e4m3fn"))
-# (k_scale, v_scale): powers of two, a pair that no 8-bit float holds exactly, and each
-# scale's cells (below 1, 1, above 1) on either side.
-KV_SCALES = ((0.5, 2.0), (0.3, 1.7), (1.0, 0.7), (2.0, 1.0))
+# k_scale and v_scale, each drawn apart: powers of two, values no 8-bit float holds exactly,
+# and each scale's cells (below 1, 1, above 1).
+K_SCALES = (0.5, 0.3, 1.0, 2.0)
+V_SCALES = (2.0, 1.7, 0.7, 1.0)
 KV_SCALE_IS_POSITIVE = "a quantization scale maps stored values back to real ones: a positive factor"
 SOFT_CAPS = (None, 5.0, 0.7, 1.0)
 SM_SCALES = (1.0, 1.7, 0.0, -0.5)  # besides 1/sqrt(head_dim): the scale's every cell
@@ -143,7 +144,8 @@ def ragged_cases(draw) -> Case:
         seqs.append((q_len, kv_len))
     q_dtype, kv_dtype = draw(st.sampled_from(DTYPE_PAIRS))
     packed = kv_dtype not in S.DTYPES
-    scales = draw(st.sampled_from(KV_SCALES if packed else ((None, None), *KV_SCALES)))
+    # A packed cache is quantized: it comes with both scales.
+    scales = [draw(st.sampled_from(values if packed else (None, *values))) for values in (K_SCALES, V_SCALES)]
     window = draw(st.one_of(st.none(), st.sampled_from((1, 5, page_size * 2 + 3, capacity + 7))))
     # The kernel tiles the combined-heads axis in 32-bit words: with 4 values per word
     # (int8, fp8) 2 * num_kv_heads must be a multiple of 4 (a documented rejection).
@@ -329,9 +331,12 @@ class RaggedSpec(KernelSpec[RaggedParams]):
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes
          + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes
          + K_SCALE.classes + bugclasses.numbers("v_scale", lambda p: p.v_scale, ("in (0, 1)", "one", "above 1")).classes
-         + PAIRS + values_by_dtype(S.NORMAL_AND_LARGE))
+         + PAIRS + values_by_dtype(S.NORMAL_AND_LARGE)
+         + bugclasses.presences(k_scale=lambda p: p.k_scale is not None, v_scale=lambda p: p.v_scale is not None,
+                                sliding_window=lambda p: p.sliding_window is not None,
+                                soft_cap=lambda p: p.soft_cap is not None))
     examples = {"interpret": 26, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
-    contracts = (
+    contracts = (FLOAT32_ACCUMULATION, 
         Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "
                  "cu_q_lens[num_seqs]) are zeros (this family's kernel promises it; an implementation that leaves them "
                  "undefined declares it not promised)", elements=_padding_rows),

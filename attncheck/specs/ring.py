@@ -32,7 +32,8 @@ from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
-from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, InvalidCall, KernelSpec, values_by_dtype
+from attncheck.specs.base import (ATTENTION_AXES, BIAS_AXES, FLOAT32_ACCUMULATION, InvalidCall, KernelSpec,
+                                  values_by_dtype)
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 NUM_LANES = 128  # the ring flash kernel's blocks are lane tiles
@@ -205,6 +206,8 @@ RING_CLASSES = bugclasses.bug_classes(
     bias_per_batch_element=lambda p: p.bias == "batch_keys" and p.batch > 1,
     devices_from_a_mesh=lambda p: p.placement == "mesh" and p.devices > 1,
 ) + SCALE.classes + values_by_dtype()
+# The optional inputs of the bias-taking rings, each given or not apart from the other.
+RING_PRESENCES = dict(attn_bias=lambda p: p.bias != "none", segment_ids=lambda p: p.segments != "none")
 
 
 def _minor_kv_blocks(p: FlashRingParams) -> tuple[str, str] | None:
@@ -229,7 +232,8 @@ class RingSpec(KernelSpec[RingParams]):
     per_device_lens = S.Shapes(ci=(16, 32), nightly=(8, 16, 32, 64))
     max_tokens = 256
     fixed_parameters = {"dropout_rng.dtype": "the key type of jax.random.key, the convention's rng"}
-    contracts = (Contract("unseeing_rows", "a query that sees no key (its segment absent from kv, a -inf bias row, an "
+    contracts = (FLOAT32_ACCUMULATION,
+                 Contract("unseeing_rows", "a query that sees no key (its segment absent from kv, a -inf bias row, an "
                           "all-False mask row) outputs 0 with no gradient, on whichever device its keys live"),)
 
     def cases(self):
@@ -426,7 +430,8 @@ class BlockwiseRingSpec(RingSpec):
         bugclasses.partition("key_chunks", one=lambda p: p.key_chunk_size == p.per_device,
                              several=lambda p: p.key_chunk_size < p.per_device),
         bugclasses.partition("query_chunks", one=lambda p: p.query_chunk_size == p.per_device,
-                             several=lambda p: p.query_chunk_size < p.per_device))
+                             several=lambda p: p.query_chunk_size < p.per_device)) + bugclasses.presences(
+        **RING_PRESENCES, dropout_rng=lambda p: p.dropout_rate > 0)
     fixed_parameters = {**RingSpec.fixed_parameters, **parameters.outside_convention(
         "attn_pdrop", ("negative", "one", "above 1"),
         "a dropout rate is a probability below 1 (at 1 the keep scale 1 / (1 - rate) divides by zero)")}
@@ -526,7 +531,8 @@ class RingFlashSpec(RingSpec):
     ) + ring_pairs(bugclasses.partition(
         "kv_blocks", default=lambda p: not p.flash_blocks,
         one=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] == p.per_device,
-        several=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] < p.per_device))
+        several=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] < p.per_device)
+    ) + bugclasses.presences(**RING_PRESENCES)
 
     def call(self, impl, p: FlashRingParams):
         blocks = {"block_sizes": _block_sizes_type(impl)(**dict(p.flash_blocks))} if p.flash_blocks else {}

@@ -37,8 +37,8 @@ from attncheck.cases import Case
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import BUG_CLASS, INVALID_CALL, Contract, Shipped
 from attncheck.specs import splash_blocks as blocks
-from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
-                                  values_by_dtype)
+from attncheck.specs.base import (FLOAT32_ACCUMULATION, MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall,
+                                  KernelSpec, values_by_dtype)
 from attncheck.specs.splash_cases import FAMILY, NUM_LANES, SplashParams, splash_cases
 from attncheck.specs.splash_masks import build
 
@@ -120,7 +120,8 @@ class SplashSpec(KernelSpec[SplashParams]):
         q_seq_shards_without_partial_blocks=blocks.q_seq_shards_without_partial_blocks,
         q_seq_shard_without_keys=blocks.q_seq_shard_without_keys,
     ) + (bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
-         + values_by_dtype())
+         + values_by_dtype() + bugclasses.presences(segment_ids=lambda p: p.segments != "none",
+                                                    attn_logits_soft_cap=lambda p: p.soft_cap is not None))
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     fixed_parameters = {
         "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "
@@ -132,7 +133,8 @@ class SplashSpec(KernelSpec[SplashParams]):
         "residual_checkpoint_name": "a name for jax.checkpoint policies: changes no value",
         **parameters.outside_convention("attn_logits_soft_cap", ("negative", "zero"), SOFT_CAP_IS_POSITIVE),
         **parameters.outside_convention("mask_value", ("*",), MASK_VALUE_UNDERFLOWS)}
-    contracts = (Contract("unseeing_rows_undefined", "a query that sees no key is undefined (the mean of v over the "
+    contracts = (FLOAT32_ACCUMULATION,
+                 Contract("unseeing_rows_undefined", "a query that sees no key is undefined (the mean of v over the "
                           "kv blocks its q block visits, or NaN): its output is don't-care, its cotangent zero, and "
                           "nothing may leak into other rows"),)
     expectations = (

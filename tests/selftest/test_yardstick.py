@@ -160,7 +160,7 @@ def test_a_chunked_ffn_is_held_to_the_error_of_a_loops_sum():
     blocked dot is 3.52e-6 (4.68e-6 reversed): budget 1.10, a correct kernel failed. The
     FFN's other orders are a loop's."""
     _builtin_passes("blockwise_ffn", "xla", 579, dtype="float32", lead=(2, 2), seq_len=96, chunk_size=16, features=64,
-                    features_out=24, hidden=256, biases=True, values="large", stochastic=False, remat=False,
+                    features_out=24, hidden=256, b_in=True, b_out=True, values="large", stochastic=False, remat=False,
                     policy="none", prevent_cse=True)
 
 
