@@ -1,5 +1,5 @@
 """attncheck command line: gate | report [merge DIR...] | repro CASE_ID | budgets accept | durations update |
-expectations init | findings [export DIR] | mutate.
+coverage update | expectations init | findings [export DIR] | mutate.
 
 Every bad or missing input ends in one line naming it and a non-zero exit, never a traceback.
 """
@@ -313,6 +313,19 @@ def cmd_durations_update(args) -> int:
     return 0
 
 
+def cmd_coverage_update(args) -> int:
+    """The built-in families' coverage examples, searched afresh under the CI profile's shapes
+    and written into the package (``coverage.SHIPPED``), so that a clone searches none."""
+    from hypothesis import settings
+
+    from attncheck import coverage, profiles, specs  # noqa: F401 (profiles registers "ci")
+
+    settings.load_profile("ci")  # the CI profile's shapes
+    for path in coverage.update_shipped(specs.all_specs().values()):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_expectations_init(args) -> int:
     """The table of declared deviations a failing run calls for: one entry per bug class,
     invalid call or contract its implementations failed (with a reason to fill in),
@@ -525,6 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(u, "reports/test")
     u.add_argument("--output", default="tests/durations.json")
     u.set_defaults(func=cmd_durations_update)
+    p = sub.add_parser("coverage", help="the coverage examples the package ships")
+    csub = p.add_subparsers(dest="action", required=True)
+    u = csub.add_parser("update", help="search the built-in families' coverage examples afresh (CI profile) and "
+                                       "write them into the package")
+    u.set_defaults(func=cmd_coverage_update)
     p = sub.add_parser("expectations", help="declared deviations of your implementations")
     esub = p.add_subparsers(dest="action", required=True)
     i = esub.add_parser("init", help="write the entries a failing run calls for, one per failing bug class, "

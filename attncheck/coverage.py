@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import tempfile
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from attncheck import cache_root
@@ -88,18 +89,31 @@ def _load_cached(path: pathlib.Path, spec: KernelSpec) -> list[Case] | None:
     return cases if covered >= set(spec.class_names) else None
 
 
-def _store(path: pathlib.Path, cases: list[Case], spec: KernelSpec) -> None:
+def store(path: pathlib.Path, cases: list[Case], spec: KernelSpec) -> None:
     # Written whole then renamed: two workers searching at once never leave half a file.
     path.parent.mkdir(parents=True, exist_ok=True)
     covered = {name for case in cases for name in spec.classes(case)}
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
         json.dump({"cases": [c.to_json() for c in cases],
-                   "without_example": [n for n in spec.class_names if n not in covered]}, tmp)
+                   "without_example": [n for n in spec.class_names if n not in covered]}, tmp, indent=1)
     os.replace(tmp.name, path)
+
+
+# The built-in families' examples under the CI profile's shapes, as the package ships them
+# (``attncheck coverage update`` writes them): a clone or a wheel gates without searching.
+# A file is found by its search key alone, so one that another source searched is never read.
+SHIPPED = _PACKAGE_ROOT / "coverage_examples"
+
+
+def shipped_path(spec: KernelSpec) -> pathlib.Path:
+    return SHIPPED / f"{spec.name}-{search_key(spec)}.json"
 
 
 @functools.cache
 def _examples(spec: KernelSpec) -> list[Case]:
+    shipped = _load_cached(shipped_path(spec), spec)
+    if shipped is not None:
+        return shipped
     directory = cache_dir()
     path = None if directory is None else directory / f"{spec.name}-{search_key(spec)}.json"
     cached = None if path is None else _load_cached(path, spec)
@@ -107,8 +121,20 @@ def _examples(spec: KernelSpec) -> list[Case]:
         return cached
     found = search(spec)
     if path is not None:
-        _store(path, found, spec)
+        store(path, found, spec)
     return found
+
+
+def update_shipped(specs: Iterable[KernelSpec]) -> list[pathlib.Path]:
+    """Search the examples of these families afresh and ship them (``SHIPPED``), leaving no
+    file of an earlier key behind."""
+    written = []
+    for spec in specs:
+        for stale in SHIPPED.glob(f"{spec.name}-*.json"):
+            stale.unlink()
+        store(shipped_path(spec), search(spec), spec)
+        written.append(shipped_path(spec))
+    return written
 
 
 def search(spec: KernelSpec) -> list[Case]:

@@ -125,3 +125,35 @@ def test_a_case_survives_the_cache_file_with_its_id(data, family):
     spec = specs.all_specs()[family]
     case = data.draw(spec.cases())
     assert spec.case_from_json(json.loads(json.dumps(case.to_json()))) == case
+
+
+@pytest.fixture
+def ci_shapes():
+    """The CI profile's static shapes, which the shipped examples are searched under."""
+    previous = settings.get_current_profile_name()
+    settings.load_profile("ci")
+    yield
+    settings.load_profile(previous)
+
+
+@pytest.mark.parametrize("family", sorted(specs.all_specs()))
+def test_the_package_ships_each_builtin_familys_examples_as_a_fresh_search_finds_them(family, ci_shapes):
+    """A clone or a wheel gates without a search: the package ships the examples of the
+    current source; one searched for another source has another key and is never read."""
+    spec = specs.all_specs()[family]
+    path = coverage.shipped_path(spec)
+    shipped = [p.name for p in coverage.SHIPPED.glob(f"{family}-*.json")]
+    assert shipped == [path.name], f"{shipped}: run `attncheck coverage update` and commit its files"
+    searched = json.loads(json.dumps([c.to_json() for c in coverage.search(spec)]))
+    assert json.loads(path.read_text())["cases"] == searched, (
+        f"{path.name} is not what a fresh search finds: run `attncheck coverage update`")
+
+
+def test_a_shipped_file_is_read_before_the_cache_and_searches_nothing(monkeypatch, tmp_path, ci_shapes):
+    spec = specs.all_specs()["blockwise_ffn"]
+    monkeypatch.setenv(cache_root.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(coverage, "search", lambda spec: pytest.fail("searched despite the shipped examples"))
+    assert ids(fresh_examples(spec)) == [spec.case_from_json(c).id for c in json.loads(
+        coverage.shipped_path(spec).read_text())["cases"]]
+    assert not cached_files(tmp_path)
+    coverage._examples.cache_clear()
