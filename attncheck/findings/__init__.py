@@ -58,6 +58,11 @@ FINDINGS = (
             "empty sequence's KV page (the kv prefetch chain gets out of step); dynamic_validate_inputs accepts it",
             "experimental/pallas/ops/tpu/ragged_paged_attention/kernel.py 404-409, 591-619, 658-665",
             "bug class empty_seq_before_another: jax's kernel fails it as --attncheck-impl"),
+    Finding("rpa_one_kv_scale", "ragged_paged_attention", "jax.experimental.pallas.ops.tpu.ragged_paged_attention",
+            "a k_scale without a v_scale (or the reverse), the cache's dtype not the queries', stops the kernel at a "
+            "bare assert k.dtype == v.dtype; static_validate_inputs accepts the call",
+            "experimental/pallas/ops/tpu/ragged_paged_attention/kernel.py 476, 630-637",
+            "bug class one_kv_scale_cache_unlike_queries: jax's kernel fails it as --attncheck-impl"),
     Finding("splash_backward_block_nan", "splash_attention", _SPLASH, "a forward q block without visible keys "
             "inside a larger backward q block makes dk, dv (or dq) NaN",
             "experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py 841-851, 1794-1804, 2288-2289",
@@ -84,7 +89,8 @@ FINDINGS = (
             "contract:bfloat16_pages (the oracle gets the pages rounded to bfloat16)"),
     Finding("flash_nonfinite_bias", "flash_attention", _FLASH, "NaN for a row whose visible ab is all -inf, for a "
             "-inf entry times a scale <= 0, and from a non-finite ab entry the mask hides: ab is added before the "
-            "mask and scaled with the logits, as in jax's own mha_reference", f"experimental/pallas/ops/tpu/flash_attention.py ({_FLASH}.mha_reference)",
+            "mask and scaled with the logits, as in jax's own mha_reference",
+            f"experimental/pallas/ops/tpu/flash_attention.py ({_FLASH}.mha_reference)",
             "bug classes bias_neg_inf_row_empty, bias_neg_inf_nonpositive_scale, bias_nonfinite_where_masked: "
             "this repository's kernel promises otherwise",
             by_design=True),

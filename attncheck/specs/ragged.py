@@ -306,6 +306,10 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         window_clips_keys=lambda p: p.sliding_window is not None and any(k > p.sliding_window for q, k in p.seqs if q),
         soft_cap=_with_several_keys(lambda p: p.soft_cap is not None),
         kv_scales=_with_several_keys(lambda p: p.k_scale is not None),
+        # One kv scale without the other, the cache's dtype not the queries': the scaled
+        # operand is computed in the query dtype, and so must the other be.
+        one_kv_scale_cache_unlike_queries=lambda p: ((p.k_scale is None) != (p.v_scale is None)
+                                                     and p.kv_dtype != p.dtype),
         several_kv_head_blocks=lambda p: p.num_kv_heads >= 8 and p.kv_dtype == "float32" == p.dtype,
         kv_scales_not_powers_of_two=_with_several_keys(lambda p: p.k_scale is not None
                                                        and math.frexp(p.k_scale)[0] != 0.5),

@@ -72,7 +72,7 @@ ADOPTEES = (
         find="row_ids - sliding_window >= col_ids", replace="row_ids - sliding_window > col_ids",
         description="the sliding window keeps one key too many", bug_class="mask_off_by_one",
         module=f"{_JAX_TPU}.ragged_paged_attention.kernel", impl="ragged_paged_attention"),
-        frozenset({"empty_seq_before_another", "compact_layout"})),
+        frozenset({"empty_seq_before_another", "compact_layout", "one_kv_scale_cache_unlike_queries"})),
 )
 
 
@@ -98,7 +98,8 @@ def _attncheck(repo: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _gate(repo: pathlib.Path, adoptee: Adoptee, report: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = _attncheck(repo, "gate", "--attncheck-kernel", adoptee.family, "--attncheck-impl", f"{adoptee.family}={adoptee.ref}", "--attncheck-report", report, *args)
+    proc = _attncheck(repo, "gate", "--attncheck-kernel", adoptee.family, "--attncheck-impl",
+                      f"{adoptee.family}={adoptee.ref}", "--attncheck-report", report, *args)
     return proc, json.loads((repo / report / "report.json").read_text())
 
 
