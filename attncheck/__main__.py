@@ -371,12 +371,24 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
     """((family, implementation, kind, name) of each deviation that explains the run's
     failures, lines for the failing cases none explains). A failing case is explained by a
     contract whose elements alone hold each of its failing comparisons, else by a bug class
-    of it that no case passing the numerics has (a lowering-only pass says nothing of them),
-    the most specific first: the class in the fewest cases, so that one broad entry does not
-    excuse every case it touches; a failing invalid call by its own entry."""
+    of it that no case passing the numerics has (a lowering-only pass says nothing of them; a
+    case whose failures a contract explains passes once it is declared): a class stated for
+    its behaviour before a cell or pair of cells (coordinates of the covering array, which one
+    coverage example happens to carry), and of those the most specific first: the class in
+    the fewest cases, so that one broad entry does not excuse every case it touches; a
+    failing invalid call by its own entry."""
+    from attncheck import specs
     from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL
 
     wanted = lambda family, ref: family not in only or only[family] == ref  # noqa: E731
+    families = specs.all_specs()
+
+    def rank(family: str, name: str) -> int:
+        """0 for a class stated for its behaviour, 1 for a cell or pair of cells (a family
+        this process does not know: 0)."""
+        spec = families.get(family)
+        return int(spec is not None and any(c.name == name and not c.named for c in spec.bug_classes))
+
     found: list[tuple[str, str, str, str]] = []
     cases: dict[tuple, dict] = {}
     for r in report["records"]:
@@ -388,12 +400,6 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
         case["numerics"] = case["numerics"] or r.get("metrics") is not None
         if r["outcome"] != "pass" and "expected" not in r:
             case["failing"].append(r)
-    passing, occurrences = {}, collections.Counter()
-    for (family, ref, _), case in cases.items():
-        if not case["failing"] and not case["excused"] and case["numerics"]:
-            passing.setdefault((family, ref), set()).update(case["classes"])
-        if case["failing"] or case["numerics"]:
-            occurrences.update((family, ref, name) for name in case["classes"])
     failing = {key: case for key, case in cases.items() if case["failing"]}
     undeclarable = []
     unexplained: dict[tuple, dict] = {}
@@ -403,6 +409,14 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
             found.append((key[0], key[1], CONTRACT, sorted(contracts)[0]))
         else:
             unexplained[key] = case
+    # A case whose failures a contract's elements alone hold passes once the contract is
+    # declared: it is passing evidence for its classes like any other.
+    passing, occurrences = {}, collections.Counter()
+    for key, case in cases.items():
+        if key not in unexplained and not case["excused"] and case["numerics"]:
+            passing.setdefault(key[:2], set()).update(case["classes"])
+        if case["failing"] or case["numerics"]:
+            occurrences.update((*key[:2], name) for name in case["classes"])
     declarable = dict(unexplained)
     picked: list[tuple] = []
     while unexplained:
@@ -412,7 +426,7 @@ def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, 
                 candidates.setdefault((key[0], key[1], name), set()).add(key)
         if not candidates:
             break
-        best = min(sorted(candidates), key=lambda c: (occurrences[c], -len(candidates[c])))
+        best = min(sorted(candidates), key=lambda c: (rank(c[0], c[2]), occurrences[c], -len(candidates[c])))
         picked.append(best)
         for key in candidates[best]:
             del unexplained[key]

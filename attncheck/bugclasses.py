@@ -28,6 +28,13 @@ class BugClass:
     applies: Callable[[Params], bool]
     affects: Callable | None = dataclasses.field(default=None, compare=False)
     pair: bool = False  # two partitions' cells at once (``pairwise``)
+    cell: bool = False  # one cell of a partition (``partition``, ``numbers``)
+
+    @property
+    def named(self) -> bool:
+        """A class stated for its behaviour, not a coordinate of the covering array (a cell
+        or a pair of cells): ``expectations init`` declares one before a cell or a pair."""
+        return not (self.pair or self.cell)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +71,7 @@ def partition(name: str, **cells: Callable[[Params], bool]) -> Partition:
     declaration order."""
     if len(cells) < 2:
         raise ValueError(f"partition({name!r}): a partition needs two cells or more, got {sorted(cells)}")
-    return Partition(name, tuple(BugClass(f"{name}_{cell}", applies) for cell, applies in cells.items()))
+    return Partition(name, tuple(BugClass(f"{name}_{cell}", applies, cell=True) for cell, applies in cells.items()))
 
 
 def numbers(name: str, value: Callable[[Params], float | None], cells: Iterable[str]) -> Partition:

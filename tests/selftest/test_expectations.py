@@ -128,6 +128,21 @@ def test_init_declares_the_class_that_fails_wherever_it_occurs_and_ignores_lower
     assert sorted(found) == [("f", "m:f", BUG_CLASS, "compact"), ("f", "m:f", BUG_CLASS, "empty_seq")], found
 
 
+def test_init_declares_a_class_stated_for_its_behaviour_before_a_cell_or_a_pair_of_cells():
+    """A pair of cells and a scale's cell occur in fewer cases than the behaviour's class, by
+    which coverage example happens to carry them; declaring them would name no behaviour."""
+    from attncheck.__main__ import _deviations_of
+
+    def rec(case, outcome, classes):
+        return {"kernel": "flash_attention", "impl_ref": "m:f", "case_id": case, "classes": classes,
+                "outcome": outcome, "metrics": {}, "repro": f"attncheck repro {case}"}
+
+    records = [rec("a", "fail", ["bias_neg_inf_row_empty", "causal_on__kv_blocks_several"]),
+               rec("b", "fail", ["bias_neg_inf_row_empty", "sm_scale_zero"]), rec("d", "pass", ["causal"])]
+    found, undeclarable = _deviations_of({"records": records}, {})
+    assert found == [("flash_attention", "m:f", BUG_CLASS, "bias_neg_inf_row_empty")] and not undeclarable, found
+
+
 @pytest.mark.parametrize("entry, message", [
     ('family = "toy_attention"\nimplementation = "x:y"\nbug_class = "noncausal"\nreason = "r"',
      r"has no bug class 'noncausal' that can be declared \(known: causal, bf16\)"),
