@@ -27,6 +27,7 @@ PACKAGE = "their_kernels"
 # run; the bare and adopted gates run every backend, as an adopter's first run does.
 STRICTNESS = ("--attncheck-backend", "interpret", "-k", "coverage")
 RUN_TIMEOUT_S = 1200
+FIGURES = ROOT / "reports" / "adoption"
 _JAX_TPU = "jax.experimental.pallas.ops.tpu"
 
 
@@ -142,13 +143,14 @@ def test_a_third_party_kernel_adopts_the_gate_with_the_table_init_writes_and_sta
     # under test (the copy is another implementation).
     statuses = {(d["entry"]["implementation"] == adoptee.ref, d["status"]) for d in adopted["deviations"]}
     assert statuses <= {(True, expectations.OCCURS), (False, expectations.NOT_UNDER_TEST)}, adopted["deviations"]
-    print(f"{adoptee.family} ({adoptee.source}): bare {bare['totals']['cases']} cases, "
-          f"{len(_failing(bare))} failing comparisons; init declared "
-          f"{sum(e.kind == BUG_CLASS for e in table)} bug classes "
-          f"({', '.join(sorted(e.name for e in table if e.kind == BUG_CLASS))}), "
-          f"{sum(e.kind == expectations.INVALID_CALL for e in table)} invalid calls, "
-          f"{sum(e.kind == expectations.CONTRACT for e in table)} contracts; adopted: PASS, "
-          f"{adopted['totals']['cases']} cases, {adopted['totals']['deviations']} expected deviations")
+    # The figures README's adoption table quotes, one file per kernel (pytest -s prints them too).
+    figures = {"kernel": adoptee.source, "bare": {"cases": bare["totals"]["cases"], "failing": len(_failing(bare))},
+               "declared": {kind: sorted(e.name for e in table if e.kind == kind) for kind in expectations.KINDS},
+               "adopted": {"verdict": adopted["verdict"], "cases": adopted["totals"]["cases"],
+                           "expected_deviations": adopted["totals"]["deviations"]}}
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    (FIGURES / f"{adoptee.family}.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
     # Strict on the rest: a planted bug the table does not declare fails.
     _write_copy(repo, adoptee, mutated_source(adoptee.planted))
     proc, planted = _gate(repo, adoptee, "planted", "--attncheck-expectations", "declared.toml", *STRICTNESS, "-x")
