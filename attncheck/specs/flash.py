@@ -349,7 +349,7 @@ class FlashSpec(KernelSpec[FlashParams]):
             blocks=(("block_q", 256), ("block_k_major", 128), ("block_k", 128), ("block_b", 1),
                     ("block_q_major_dkv", 128), ("block_k_major_dkv", 128), ("block_k_dkv", 128), ("block_q_dkv", 128),
                     ("block_k_major_dq", 128), ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
-    contracts = (FLOAT32_ACCUMULATION, 
+    contracts = (FLOAT32_ACCUMULATION,
         Contract("absent_segment_rows", "a row that sees no key of its own segment averages v uniformly over the "
                  "causally visible keys of the other segments, with the softmax gradient at those weights, causal "
                  "included (the kernel's docstring)"),

@@ -224,7 +224,7 @@ class PagedSpec(KernelSpec[PagedParams]):
         "page_indices.dtype": "the kernel's scalar-prefetch operands are int32",
         **parameters.outside_convention("attn_logits_soft_cap", ("negative", "zero"), SOFT_CAP_IS_POSITIVE),
         **parameters.outside_convention("mask_value", ("*",), MASK_VALUE_UNDERFLOWS)}
-    contracts = (FLOAT32_ACCUMULATION, 
+    contracts = (FLOAT32_ACCUMULATION,
         Contract("bfloat16_pages", "float pages are computed with as bfloat16 (the kernel loads every page so): the "
                  "oracle and the yardstick get the pages rounded to bfloat16, the tolerance is not widened"),
         Contract("additive_mask", "the mask is additive: slots past a length inside the last compute block read must "

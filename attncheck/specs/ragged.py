@@ -340,7 +340,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                                 sliding_window=lambda p: p.sliding_window is not None,
                                 soft_cap=lambda p: p.soft_cap is not None))
     examples = {"interpret": 26, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
-    contracts = (FLOAT32_ACCUMULATION, 
+    contracts = (FLOAT32_ACCUMULATION,
         Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "
                  "cu_q_lens[num_seqs]) are zeros (this family's kernel promises it; an implementation that leaves them "
                  "undefined declares it not promised)", elements=_padding_rows),
