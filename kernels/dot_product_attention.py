@@ -31,7 +31,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import flash_attention as fa
+from attncheck_kernels import flash_attention as fa
 
 # A hidden key's ab: the kernel's contract lets a -inf ab entry take no part, and a row whose
 # keys are all hidden comes out 0 (replaced below by jax.nn's mean of v). A finite -1e30 did

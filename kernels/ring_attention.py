@@ -17,7 +17,7 @@ validation and the sharding contract:
 * :func:`ring_attention_standard` -- one un-chunked boolean-masked block per
   ring step (the same core with a single chunk and a mask).
 * :func:`ring_flash_attention_tpu` -- the Pallas TPU flash kernels of
-  :mod:`kernels.flash_attention` inside each ring step.
+  :mod:`attncheck_kernels.flash_attention` inside each ring step.
 
 The three functions are *per-device* functions: call them inside
 ``jax.shard_map`` over a 1-D mesh whose axis is ``axis_name``.  The
@@ -87,7 +87,7 @@ check_vma
     scans and conds (:func:`_as_varying`), a replicated bias gets its cotangent
     psum-ed (:func:`_cotangent_like`), and the flash kernels type their Pallas
     outputs as varying over every mesh axis their inputs vary over
-    (``kernels.flash_attention._output_struct``).
+    (``attncheck_kernels.flash_attention._output_struct``).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kernels import flash_attention as _flash
+from attncheck_kernels import flash_attention as _flash
 
 __all__ = [
     "DEFAULT_AXIS_NAME",
@@ -658,7 +658,7 @@ def _dropout_rate(attn_pdrop, deterministic, dropout_rng):
 
 
 # --------------------------------------------------------------------------
-# Ring flash core (Pallas TPU kernels of kernels.flash_attention)
+# Ring flash core (Pallas TPU kernels of attncheck_kernels.flash_attention)
 # --------------------------------------------------------------------------
 
 

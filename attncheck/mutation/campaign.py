@@ -38,6 +38,7 @@ from attncheck.scheduling import Shard
 # What a mutated copy needs to run the gate.
 COPIED = ("attncheck", "kernels", "tests", "pyproject.toml")
 MUTANT_TIMEOUT_S = 900
+KERNELS_PACKAGE = "attncheck_kernels"
 
 
 def gate_command(family: str | None, report_dir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -59,6 +60,9 @@ def run_mutant(mutant: Mutant, timeout_s: float = MUTANT_TIMEOUT_S, whole_gate: 
                 shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(src, root / name)
+        # The kernels import as attncheck_kernels (pyproject's package-dir): the copy's own
+        # must be the ones found.
+        (root / KERNELS_PACKAGE).symlink_to("kernels", target_is_directory=True)
         apply(mutant, root)
         # The copy must shadow the editable install: cwd and PYTHONPATH come first. Mutants
         # change only kernels and module copies, so the copies reuse this checkout's

@@ -2,7 +2,7 @@
 
 A spec maps a family's calling convention and semantics onto the float64 oracle. The gate
 test is written once against this interface; adding a kernel family is adding a spec
-(``docs/DESIGN.md``, "Adding a kernel family", walks through the toy spec).
+(``docs/families.md``, "Adding a kernel family", walks through the toy spec).
 """
 
 from __future__ import annotations

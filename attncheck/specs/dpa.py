@@ -196,7 +196,7 @@ class DPASpec(KernelSpec[DPAParams]):
                   "dk": ("batch", "key", "kv_head", "dim"), "dv": ("batch", "key", "kv_head", "dim"),
                   "dbias": BIAS_AXES}
     default_impls = {"jax_nn": "jax.nn:dot_product_attention",
-                     "flash": "kernels.dot_product_attention:dot_product_attention"}
+                     "flash": "attncheck_kernels.dot_product_attention:dot_product_attention"}
     backends = ("xla", "interpret", "interpret-hazards", "tpu-lower", "tpu")
     impl_backends = {"jax_nn": ("xla",), "flash": ("interpret", "interpret-hazards", "tpu-lower", "tpu")}
     bug_classes = bugclasses.bug_classes(

@@ -116,7 +116,7 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
     # Of the trailing axes: the inputs' leading axes vary in number.
     directions = {"out": ("position", "feature"), "dx": ("position", "feature"), "dw_in": ("feature", "hidden"),
                   "db_in": ("hidden",), "dw_out": ("hidden", "feature"), "db_out": ("feature",)}
-    default_impls = {"builtin": "kernels.blockwise_ffn:blockwise_ffn"}
+    default_impls = {"builtin": "attncheck_kernels.blockwise_ffn:blockwise_ffn"}
     backends = ("xla",)
     bug_classes = bugclasses.bug_classes(
         single_chunk=lambda p: p.chunk_size == p.seq_len,

@@ -282,7 +282,7 @@ class FlashSpec(KernelSpec[FlashParams]):
     name = FAMILY
     params_type = FlashParams
     directions = {**ATTENTION_AXES, "dab": BIAS_AXES}
-    default_impls = {"builtin": "kernels.flash_attention:flash_attention"}
+    default_impls = {"builtin": "attncheck_kernels.flash_attention:flash_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     bug_classes = bugclasses.bug_classes(
         q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,

@@ -285,7 +285,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
     }
     params_type = RaggedParams
     directions = {"out": ("token", "q_head", "dim")}
-    default_impls = {"builtin": "kernels.ragged_paged_attention:ragged_paged_attention"}
+    default_impls = {"builtin": "attncheck_kernels.ragged_paged_attention:ragged_paged_attention"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     bug_classes = bugclasses.bug_classes(
         decode=_has_seq("decode"),

@@ -404,8 +404,8 @@ class BlockwiseRingSpec(RingSpec):
     tests/gate/test_dropout_mask.py judges the mask itself statistically."""
 
     name = "ring_attention"
-    default_impls = {"builtin": "kernels.ring_attention:ring_attention_sharded"}
-    keyword_targets = ("kernels.ring_attention:ring_attention",)
+    default_impls = {"builtin": "attncheck_kernels.ring_attention:ring_attention_sharded"}
+    keyword_targets = ("attncheck_kernels.ring_attention:ring_attention",)
     backends = ("xla",)
     params_type = ChunkedRingParams
     examples = {"xla": 48}
@@ -457,8 +457,8 @@ class BlockwiseRingSpec(RingSpec):
 
 class StandardRingSpec(RingSpec):
     name = "ring_attention_standard"
-    default_impls = {"builtin": "kernels.ring_attention:ring_attention_standard_sharded"}
-    keyword_targets = ("kernels.ring_attention:ring_attention_standard",)
+    default_impls = {"builtin": "attncheck_kernels.ring_attention:ring_attention_standard_sharded"}
+    keyword_targets = ("attncheck_kernels.ring_attention:ring_attention_standard",)
     backends = ("xla",)
     params_type = MaskedRingParams
     examples = {"xla": 52}
@@ -504,8 +504,8 @@ class StandardRingSpec(RingSpec):
 
 class RingFlashSpec(RingSpec):
     name = "ring_flash_attention"
-    default_impls = {"builtin": "kernels.ring_attention:ring_flash_attention_tpu_sharded"}
-    keyword_targets = ("kernels.ring_attention:ring_flash_attention_tpu",)
+    default_impls = {"builtin": "attncheck_kernels.ring_attention:ring_flash_attention_tpu_sharded"}
+    keyword_targets = ("attncheck_kernels.ring_attention:ring_flash_attention_tpu",)
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
     params_type = FlashRingParams
     # >= 128 tokens per device (128-lane blocks); 256 makes each step multi-block.
@@ -603,7 +603,7 @@ def _block_sizes_type(impl):
 
 
 def _dropout_mask_fn():
-    from kernels.ring_attention import attention_dropout_mask
+    from attncheck_kernels.ring_attention import attention_dropout_mask
 
     return attention_dropout_mask
 

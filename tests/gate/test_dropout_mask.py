@@ -19,7 +19,7 @@ SHAPE = (2, 2, 256, 256)  # batch, heads, q, kv
 @pytest.fixture
 def keep_mask(attncheck_kernel_time):
     """The kernel's keep mask of a seed."""
-    from kernels.ring_attention import attention_dropout_mask
+    from attncheck_kernels.ring_attention import attention_dropout_mask
 
     def make(seed):
         with attncheck_kernel_time():

@@ -21,7 +21,7 @@ HEAD_DIM = 8
 
 
 def test_causal_ring_attention_past_int16_positions(attncheck_kernel_time):
-    from kernels.ring_attention import ring_attention_sharded
+    from attncheck_kernels.ring_attention import ring_attention_sharded
 
     rng = np.random.default_rng(0)
     q, k, v = (S.round_to(rng.standard_normal((1, SEQ, 1, HEAD_DIM)), np.float32) for _ in range(3))

@@ -67,7 +67,7 @@ _EIGHT_DEVICE_RING = """
     from attncheck.backends import BACKENDS
     spec = specs.all_specs()["ring_flash_attention"]
     case = spec.case_from_json(json.loads(sys.argv[1]))
-    impl = specs.resolve_impl("kernels.ring_attention:ring_flash_attention_tpu_sharded")
+    impl = specs.resolve_impl("attncheck_kernels.ring_attention:ring_flash_attention_tpu_sharded")
     backend = dataclasses.replace(BACKENDS["interpret-hazards"], max_devices=None)
     outcome = check.check_case(check.Target(spec, "builtin", impl, backend), case, report_dir=None)
     print(json.dumps([[r.direction, r.outcome, r.reason] for r in outcome.records]))

@@ -165,7 +165,7 @@ def padding_rows_nan(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     padding_rows_are_zero contract asks to be zeros."""
     import jax.numpy as jnp
 
-    from kernels.ragged_paged_attention import ragged_paged_attention
+    from attncheck_kernels.ragged_paged_attention import ragged_paged_attention
 
     out = ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
     padding = jnp.arange(out.shape[0]) >= cu_q_lens[num_seqs[0]]
