@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from attncheck import interpret_compat, numerics, yardstick
+from attncheck import interpret_compat, numerics, structure, yardstick
 from attncheck.backends import Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin, release_when_mappings_run_out
@@ -189,8 +189,13 @@ def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.n
     """One direction's record: the tolerance policy, the dtype rule, and the refusal of a
     tolerance built on a broken yardstick (``exact``: the yardstick computed in float64,
     asked for only then). Whatever the kernel returned (another shape, a list, no array at
-    all) ends in a record."""
+    all) ends in a record: another tree or shape than the oracle's is an error in chex's
+    words (``attncheck.structure``), before anything is compared."""
     start = time.perf_counter()
+    wrong = structure.mismatch(direction, got, np.shape(truth))
+    if wrong is not None:
+        return Record(**dataclasses.asdict(base), direction=direction, outcome="error", reason=wrong,
+                      timings=dict(timings, compare_s=time.perf_counter() - start))
     try:
         cmp = numerics.compare(got, truth, reference, dtype=dtype, direction=direction, care=care)
         delivered = np.asarray(got).dtype
@@ -199,9 +204,11 @@ def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.n
     outcome, reason = ("pass" if cmp.passed else "fail"), cmp.reason
     if delivered != np.dtype(dtype):
         # A gradient in another dtype than its primal breaks the caller's optimizer state
-        # and hides precision loss (or gain) from the comparison above.
-        outcome, reason = "fail", f"returned {direction} in {delivered}, expected {np.dtype(dtype)} " \
-                                  f"(the dtype of its input); {cmp.reason}"
+        # and hides precision loss (or gain) from the comparison above. The rule is this
+        # comparison; chex only words it.
+        worded = structure.dtype_mismatch(got, dtype)
+        outcome, reason = "fail", (f"returned {direction} in {delivered}, expected {np.dtype(dtype)} "
+                                   f"(the dtype of its input{'; ' + worded if worded else ''}); {cmp.reason}")
     if cmp.passed and cmp.yardstick_ulps > MAX_YARDSTICK_ULPS:
         left, why = _left_in_float64(exact, truth, care)
         if not left * ROUNDING_FACTOR <= cmp.yardstick_err:

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from attncheck import interpret_compat
+from attncheck import interpret_compat, structure
 
 _COMPILED: dict[Hashable, Callable] = {}
 
@@ -101,15 +101,15 @@ def release_when_mappings_run_out(budget: int | None = None) -> bool:
 def with_vjp(forward: Callable[..., Any]) -> Callable:
     """``run(primals, cotangent, *rest) -> (out, grads)``: ``forward(*primals, *rest)`` and
     the gradients of its primals for the cotangent (cast to the output's dtype, so that an
-    output in the wrong dtype is judged by the gate instead of failing in the pullback)."""
+    output in the wrong dtype is judged by the gate instead of failing in the pullback). An
+    output that is not one array of the cotangent's shape is refused first, in chex's words
+    (``attncheck.structure``)."""
 
     def run(primals, cotangent, *rest):
         out, vjp = jax.vjp(lambda *p: forward(*p, *rest), *primals)
-        if not hasattr(out, "shape") or not hasattr(out, "dtype"):
-            raise TypeError(f"the implementation returned {type(out).__name__}, expected an array")
-        if out.shape != cotangent.shape:
-            raise ValueError(f"shapes differ: the implementation returned an output of shape {out.shape}, "
-                             f"expected {cotangent.shape}")
+        wrong = structure.mismatch("the output", out, cotangent.shape)  # chex's words, at trace time
+        if wrong is not None:
+            raise ValueError(wrong)
         return out, vjp(cotangent.astype(out.dtype))
 
     return run
