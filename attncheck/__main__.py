@@ -301,7 +301,8 @@ def cmd_durations_update(args) -> int:
     if not measured.is_file():
         raise CommandError(f"{measured} does not exist; run the tests first")
     try:
-        count = scheduling.merge_into(pathlib.Path(args.output), measured)
+        count = scheduling.merge_into(pathlib.Path(args.output), measured,
+                                      pathlib.Path(args.packaged) if args.packaged else None)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(f"wrote {count} test durations to {args.output}")
@@ -551,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     u = dsub.add_parser("update", help="merge the durations of a run into the committed file")
     _add_report(u, "reports/test")
     u.add_argument("--output", default="tests/durations.json")
+    u.add_argument("--packaged", default=None, metavar="PATH",
+                   help="write the packaged gate's durations here instead (this project: "
+                        "attncheck/gate/durations.json, which the package ships)")
     u.set_defaults(func=cmd_durations_update)
     p = sub.add_parser("coverage", help="the coverage examples the package ships")
     csub = p.add_subparsers(dest="action", required=True)

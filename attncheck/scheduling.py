@@ -36,16 +36,41 @@ from collections.abc import Iterable, Mapping
 DEFAULT_FILE = pathlib.Path("tests") / "durations.json"
 REPORT_FILE = "durations.json"
 SOURCES_FILE = "kernel_sources.json"  # beside the durations file
+# The packaged gate's durations ship with it: a repository that adopts the gate has none of
+# its own for those tests.
+PACKAGED_FILE = pathlib.Path(__file__).parent / "gate" / "durations.json"
+PACKAGED_TESTS = "attncheck/gate/"
+
+
+def test_key(nodeid: str, path: str | pathlib.Path | None = None) -> str:
+    """A test's key in a durations file: its node id, but the packaged gate's tests by
+    their path inside the package wherever it is installed. Their node id does not say it
+    (pytest names a test outside the rootdir from the package: `test_gate.py::...`); their
+    ``path`` does (an item's path, or a report's ``location[0]``)."""
+    where, _, name = nodeid.partition("::")
+    where = str(path).replace("\\", "/") if path is not None else where
+    at = where.rfind(PACKAGED_TESTS)
+    return f"{where[at:]}::{name}" if at >= 0 else nodeid
+
+
+def _key(item) -> str:
+    return test_key(item.nodeid, getattr(item, "path", None))
 
 
 def load(path: pathlib.Path) -> dict[str, float]:
-    """nodeid -> seconds; empty when the file does not exist."""
+    """test key -> seconds; empty when the file does not exist."""
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
         raise ValueError(f"{path}: expected a JSON object of test id -> seconds")
-    return data
+    return {test_key(k): v for k, v in data.items()}
+
+
+def load_with_packaged(path: pathlib.Path) -> dict[str, float]:
+    """The durations a run orders its tests by: the packaged gate's, then the repository's
+    file (``path``) over them."""
+    return {**load(PACKAGED_FILE), **load(path)}
 
 
 FAIL_FAST_MARKER = "attncheck_fail_fast"
@@ -59,7 +84,7 @@ def _fail_fast(item):
 def _typical(items: list, durations: dict[str, float], *, fail_fast: bool) -> float:
     """The median recorded duration of the fail-fast tests (or of the others): what a test
     of that kind without a record counts as."""
-    known = [durations[i.nodeid] for i in items if bool(_fail_fast(i)) == fail_fast and i.nodeid in durations]
+    known = [durations[_key(i)] for i in items if bool(_fail_fast(i)) == fail_fast and _key(i) in durations]
     return statistics.median(known) if known else 0.0
 
 
@@ -91,8 +116,8 @@ def run_order(items: list, durations: dict[str, float], changed: Mapping[str, in
         part, rank = (0, changed[family]) if family in changed else (1, 0)
         marker = _fail_fast(item)
         if marker is None:
-            return (part, 1, rank, 0, -durations.get(item.nodeid, math.inf))
-        return (part, 0, rank, 0 if marker.kwargs.get("lead") else 1, durations.get(item.nodeid, typical_fail_fast))
+            return (part, 1, rank, 0, -durations.get(_key(item), math.inf))
+        return (part, 0, rank, 0 if marker.kwargs.get("lead") else 1, durations.get(_key(item), typical_fail_fast))
 
     return sorted(items, key=key)
 
@@ -199,12 +224,16 @@ def write(path: pathlib.Path, durations: dict[str, float]) -> None:
     path.write_text(json.dumps({k: round(v, 2) for k, v in sorted(durations.items())}, indent=0) + "\n")
 
 
-def merge_into(target: pathlib.Path, measured: pathlib.Path) -> int:
+def merge_into(target: pathlib.Path, measured: pathlib.Path, packaged: pathlib.Path | None = None) -> int:
     """Update ``target`` with the durations of a run (``measured``); tests that run did
-    not include keep their old entry. Returns the number of entries written."""
-    merged = {**load(target), **load(measured)}
+    not include keep their old entry. With ``packaged``, the packaged gate's tests go
+    there instead (the file the package ships). Returns the number of entries written."""
+    merged = {**load(target), **(load(packaged) if packaged else {}), **load(measured)}
+    if packaged is not None:
+        write(packaged, {k: v for k, v in merged.items() if k.startswith(PACKAGED_TESTS)})
+        merged = {k: v for k, v in merged.items() if not k.startswith(PACKAGED_TESTS)}
     write(target, merged)
-    return len(merged)
+    return len(merged) + (len(load(packaged)) if packaged else 0)
 
 
 # ------------------------------------------------------------------ shards
@@ -246,7 +275,7 @@ def assign(items: list, durations: dict[str, float], count: int) -> dict[str, in
     typical = {kind: _typical(items, durations, fail_fast=kind) or 1.0 for kind in (True, False)}
 
     def seconds(item) -> float:
-        return max(SHARD_MIN_TEST_S, durations.get(item.nodeid, typical[bool(_fail_fast(item))]))
+        return max(SHARD_MIN_TEST_S, durations.get(_key(item), typical[bool(_fail_fast(item))]))
 
     def longest_first(group: list) -> list:
         return sorted(group, key=lambda i: (-seconds(i), i.nodeid))

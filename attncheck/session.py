@@ -129,7 +129,7 @@ class GateSession:
         self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
         self.error_maps = errormap.PastBudget()  # which records carry an error map
         self.durations = self._load_durations()
-        self.seconds: collections.Counter = collections.Counter()  # nodeid -> seconds (controller)
+        self.seconds: collections.Counter = collections.Counter()  # test key -> seconds (controller)
         self.test_outcomes: dict[str, list[str]] = collections.defaultdict(list)  # target -> outcomes
         self.collected: set[str] = set()
         self.lock = None
@@ -187,7 +187,7 @@ class GateSession:
     def _load_durations(self) -> dict[str, float]:
         path = self._durations_path()
         try:
-            return scheduling.load(path)
+            return scheduling.load_with_packaged(path)
         except (OSError, ValueError) as exc:
             # It only orders the tests: a bad file costs speed, never a verdict.
             self._warn(f"--attncheck-durations: ignoring {path}: {exc}")
@@ -312,7 +312,7 @@ class GateSession:
         # A test skipped partway (the run stopped at --maxfail) would be recorded as short
         # and scheduled last next time; a skipped test costs nothing wherever it runs.
         if not report.skipped:
-            self.seconds[report.nodeid] += report.duration
+            self.seconds[scheduling.test_key(report.nodeid, report.location[0])] += report.duration
         test = selection.test_of_nodeid(self.options, report.nodeid)
         if test is not None and (report.when == "call" or report.outcome != "passed"):
             reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""

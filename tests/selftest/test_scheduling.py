@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pathlib
 import re
 import sys
 import textwrap
@@ -121,6 +122,32 @@ def test_merge_keeps_tests_the_run_did_not_include(tmp_path):
     scheduling.write(measured, {"updated": 7.123, "added": 0.5})
     assert scheduling.merge_into(committed, measured) == 3
     assert json.loads(committed.read_text()) == {"added": 0.5, "kept": 3.0, "updated": 7.12}
+
+
+def test_the_packaged_gate_is_keyed_by_its_path_in_the_package_wherever_installed(tmp_path, monkeypatch):
+    gate = "attncheck/gate/test_gate.py::test_kernel_matches_oracle[ffn-builtin-interpret]"
+    installed = types.SimpleNamespace(nodeid="test_gate.py::test_kernel_matches_oracle[ffn-builtin-interpret]",
+                                      path=pathlib.Path("/venv/lib/python3.12/site-packages/attncheck/gate/test_gate.py"),
+                                      get_closest_marker=lambda name: None)
+    packaged, own = tmp_path / "packaged.json", tmp_path / "durations.json"
+    packaged.write_text(json.dumps({gate: 0.5, "attncheck/gate/test_gate.py::renamed": 1.0}))
+    own.write_text(json.dumps({"attncheck/gate/test_gate.py::renamed": 3.0, "tests/test_mine.py::t": 2.0}))
+    monkeypatch.setattr(scheduling, "PACKAGED_FILE", packaged)
+    durations = scheduling.load_with_packaged(own)
+    assert durations == {gate: 0.5, "attncheck/gate/test_gate.py::renamed": 3.0, "tests/test_mine.py::t": 2.0}
+    order = scheduling.run_order([_item("tests/test_mine.py::t"), installed], durations)
+    assert [i.nodeid for i in order] == ["tests/test_mine.py::t", installed.nodeid]  # an unrecorded test would lead
+    assert scheduling.test_key(installed.nodeid, "../venv/lib/site-packages/attncheck/gate/test_gate.py") == gate
+
+
+def test_update_writes_the_packaged_gate_to_the_file_the_package_ships(tmp_path):
+    target, packaged, measured = tmp_path / "durations.json", tmp_path / "gate.json", tmp_path / "run.json"
+    target.write_text(json.dumps({"tests/a.py::old": 1.0, "attncheck/gate/test_gate.py::moved": 5.0}))
+    measured.write_text(json.dumps({"x/attncheck/gate/test_gate.py::new": 2.0, "tests/a.py::b": 3.0}))
+    assert scheduling.merge_into(target, measured, packaged) == 4
+    assert json.loads(target.read_text()) == {"tests/a.py::old": 1.0, "tests/a.py::b": 3.0}
+    assert json.loads(packaged.read_text()) == {"attncheck/gate/test_gate.py::moved": 5.0,
+                                                "attncheck/gate/test_gate.py::new": 2.0}
 
 
 def test_a_malformed_durations_file_is_named(tmp_path):
