@@ -153,7 +153,7 @@ def judge(rows: list[SummaryRow], accepted: AcceptedBudgets, floor: float, platf
     """(numerics regressions, differences): growth past the limit is a regression where the
     accepted budgets come from this platform and profile, else a difference to show with
     the reason, never failing (other codegen, or other draws, move worst budgets by more
-    than the limit: README, "The regression rule")."""
+    than the limit: docs/tolerance.md, "The regression rule")."""
     grown = growth(rows, accepted, floor)
     why = accepted.not_comparable(platform, profile)
     if why is None:

@@ -24,16 +24,25 @@ the records (inputs, kernel = trace + compile + run, oracle, yardstick, compare,
 per kernel and backend; the harness overhead is everything that is not kernel or lowering
 time (kernel time includes what the tests that make no comparison record measured around
 their own kernel calls, and the compile of a kernel's own function that building the
-inputs needs: the ring dropout mask). Everything lands in reports/bench/bench.json.
+inputs needs: the ring dropout mask). Everything lands in reports/bench/bench.json, with
+the commit, the date and the platform the numbers belong to.
+
+``--markdown PATH`` also renders that bench.json as a Markdown page (``render_markdown``):
+docs/measured.md is such a page, the measured figures the docs link to, written by the
+bench and never by hand. ``--render BENCH_JSON --markdown PATH`` renders a bench.json
+written before, without running anything.
 
     python benchmarks/gate_bench.py [--modes 0,auto] [--cache none,cold,warm] [--shards 4]
-                                    [--soak 10] [--output bench.json] [pytest args...]
+                                    [--soak 10] [--output bench.json] [--markdown docs/measured.md]
+                                    [pytest args...]
+    python benchmarks/gate_bench.py --render reports/bench/bench.json --markdown docs/measured.md
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import os
 import pathlib
@@ -167,7 +176,8 @@ def _measure(report: dict, report_dir: pathlib.Path, wall: float) -> dict:
     workers = max(1, len(per_worker_rss))
     cases = report["totals"]["cases"]
     return {
-        "verdict": report["verdict"], "cases": cases, "comparisons": report["totals"]["records"],
+        "verdict": report["verdict"], "platform": report.get("platform"), "profile": report.get("profile"),
+        "cases": cases, "comparisons": report["totals"]["records"],
         "failures": report["totals"]["failures"], "cases_per_minute": round(cases / wall * 60, 1),
         "peak_rss_mb_per_worker": {w: round(v) for w, v in sorted(per_worker_rss.items())},
         "case_seconds_per_worker": {w: round(v, 1) for w, v in sorted(busy.items())},
@@ -231,6 +241,130 @@ def soak(count: int, mode: str, extra: list[str], timeout_s: float, dump_after_s
             "wall_s": [r["wall_s"] for r in runs], "verdicts": [r.get("verdict") for r in runs], "details": runs}
 
 
+# ------------------------------------------------------------------ the Markdown page
+MARKDOWN_COMMAND = "./dev bench --markdown docs/measured.md"
+# The phases that add up to a run's total on the page (seconds summed over workers); the
+# *_compile_s ones are parts of the phase before them (PHASES).
+_TOTAL_PHASES = ("inputs_s", "kernel_s", "lower_s", "oracle_s", "yardstick_s", "compare_s")
+
+
+def _cell(value, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        value = f"{value:g}"
+    return f"{value}{unit}"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}" if whole else "-"
+
+
+def _platform_line(platform: dict | None) -> str:
+    if not platform:
+        return "platform not recorded"
+    parts = [platform.get("machine"), platform.get("cpu"), f"code for {platform['isa']}" if "isa" in platform else None,
+             f"L1d {platform['l1d_kib']} KiB" if "l1d_kib" in platform else None,
+             f"jax {platform['jax']}" if "jax" in platform else None,
+             f"numpy {platform['numpy']}" if "numpy" in platform else None]
+    return ", ".join(str(p) for p in parts if p)
+
+
+def render_markdown(results: dict, *, source: str = "reports/bench/bench.json") -> str:
+    """The Markdown page of one bench.json (what ``main`` writes): its runs, where their
+    time went, its shards and its soak. Every figure is read from ``results``."""
+    meta = results.get("meta", {})
+    runs = results.get("runs", [])
+    measured = [r for r in runs if "cases" in r]
+    platform = next((r["platform"] for r in measured if r.get("platform")), None)
+    profile = next((r["profile"] for r in measured if r.get("profile")), None)
+    lines = [
+        "# Measured: the gate on one machine",
+        "",
+        (f"Written by `{MARKDOWN_COMMAND}` from `{source}` (benchmarks/gate_bench.py): do not edit, run the "
+         "bench again. The budgets these figures are held to are in [profiles.md](profiles.md)."),
+        "",
+        f"- commit: {meta.get('commit') or 'not recorded'}" + (f", {meta['date']}" if meta.get("date") else ""),
+        "- machine: " + (f"{meta['cpus']} CPUs; " if meta.get("cpus") else "") + _platform_line(platform),
+        f"- hypothesis profile: {profile or 'not recorded'}",
+    ]
+    if meta.get("args"):
+        lines.append(f"- bench arguments: `{' '.join(meta['args'])}`")
+    lines += ["", "## Runs", "",
+              ("| run | -n | cache | verdict | wall | CPU | cores busy | cases | comparisons | failing | cases/min "
+               "| harness overhead | peak RSS per worker, max |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if "cases" not in r:
+            lines.append(f"| {r['run']} | {r['mode']} | {r['cache']} | no report (exit {r['exit_code']}"
+                         f"{', hung' if r.get('hung') else ''}) | {_cell(r.get('wall_s'), ' s')} | "
+                         f"{_cell(r.get('cpu_s'), ' s')} | - | - | - | - | - | - | - |")
+            continue
+        rss = max(r.get("peak_rss_mb_per_worker", {}).values(), default=None)
+        lines.append(f"| {r['run']} | {r['mode']} | {r['cache']} | {r['verdict']} | {_cell(r['wall_s'], ' s')} | "
+                     f"{_cell(r['cpu_s'], ' s')} | {_cell(r['cores_busy'])} | {r['cases']} | {r['comparisons']} | "
+                     f"{r['failures']} | {_cell(r['cases_per_minute'])} | {r['harness_overhead_share']:.1%} | "
+                     f"{_cell(rss, ' MB')} |")
+    if measured:
+        lines += ["", "## Where the time goes", "",
+                  ("Seconds summed over the workers, from the records. *kernel* is each kernel's trace, compile "
+                   "and run, with its lowering for TPU and the compile of the convention functions its inputs need; "
+                   "*compiled* is the tracing and compiling part of it."), "",
+                  ("| run | total | kernel | of the total | compiled | of the kernel | oracle | yardstick | inputs "
+                   "| compare |"),
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in measured:
+            p = r["phase_totals"]
+            total = sum(p.get(k, 0.0) for k in _TOTAL_PHASES)
+            kernel = p.get("kernel_s", 0.0) + p.get("lower_s", 0.0) + p.get("inputs_compile_s", 0.0)
+            compiled = p.get("kernel_compile_s", 0.0) + p.get("lower_s", 0.0) + p.get("inputs_compile_s", 0.0)
+            inputs = p.get("inputs_s", 0.0) - p.get("inputs_compile_s", 0.0)
+            lines.append(f"| {r['run']} | {total:.1f} s | {kernel:.1f} s | {_share(kernel, total)} | {compiled:.1f} s "
+                         f"| {_share(compiled, kernel)} | {p.get('oracle_s', 0.0):.1f} s | "
+                         f"{p.get('yardstick_s', 0.0):.1f} s | {inputs:.1f} s | {p.get('compare_s', 0.0):.1f} s |")
+    sharded = results.get("sharded")
+    if sharded:
+        lines += ["", "## Shards", "",
+                  f"{sharded['shards']} shards, warm, one after another: "
+                  + ", ".join(_cell(w, " s") for w in sharded["shard_wall_s"])
+                  + f" ({sharded['shards']} runners in parallel: {_cell(sharded['wall_s_in_parallel'], ' s')}); "
+                  + "merged verdict "
+                  + f"{sharded.get('merged_verdict', 'none (the merge failed)')}"
+                  + ("" if "equals_unsharded" not in sharded else
+                     "; the merged report " + ("equals" if sharded["equals_unsharded"] else "differs from")
+                     + " the unsharded run's (case ids, outcomes, verdict)") + "."]
+    soaked = results.get("soak")
+    if soaked:
+        walls = soaked.get("wall_s", [])
+        verdicts = collections.Counter(v or "no report" for v in soaked.get("verdicts", []))
+        lines += ["", "## Soak", "",
+                  f"{soaked['runs']} warm gates in a row: {soaked['hung']} hung (stopped at {soaked['timeout_s']:g} s); "
+                  + (f"wall {min(walls):g}-{max(walls):g} s; " if walls else "")
+                  + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _meta() -> dict:
+    """What the numbers of a bench belong to, besides each run's platform: the commit (with
+    "+changes" when the work tree differs from it), the date and the machine's CPUs."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return {"commit": commit or None, "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+            "args": sys.argv[1:]}
+
+
+def write_markdown(results: dict, path: pathlib.Path, source: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_markdown(results, source=source), encoding="utf-8")
+    print(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="auto", help="comma-separated -n values (default: %(default)s)")
@@ -242,13 +376,32 @@ def main() -> int:
     parser.add_argument("--dump-after", type=float, default=300,
                         help="seconds one test may run in a soak before its process dumps its stacks")
     parser.add_argument("--output", default="bench.json", help="file name under reports/bench/")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also render the bench.json as a Markdown page here (docs/measured.md)")
+    parser.add_argument("--render", metavar="BENCH_JSON",
+                        help="run nothing: render this bench.json (with --markdown PATH, else to stdout)")
     args, extra = parser.parse_known_args()
+    if args.render:
+        if extra:
+            parser.error(f"--render runs nothing: unexpected arguments {extra}")
+        source = pathlib.Path(args.render)
+        try:
+            results = json.loads(source.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--render {source}: not a readable bench.json ({exc})")
+        shown = _shown(source)
+        if args.markdown:
+            write_markdown(results, pathlib.Path(args.markdown), shown)
+        else:
+            print(render_markdown(results, source=shown), end="")
+        return 0
     caches = [c for c in args.cache.split(",") if c]
     if not set(caches) <= set(CACHE_MODES):
         parser.error(f"--cache {args.cache!r}: expected some of {', '.join(CACHE_MODES)}")
     OUT.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
-    results = {"runs": [run_gate(f"n{mode}-{cache}", mode, cache, extra) for mode in modes for cache in caches]}
+    results = {"meta": _meta(),
+               "runs": [run_gate(f"n{mode}-{cache}", mode, cache, extra) for mode in modes for cache in caches]}
     for r in results["runs"]:
         _print_run(r)
     by_cache = {(r["mode"], r["cache"]): r["wall_s"] for r in results["runs"]}
@@ -265,9 +418,17 @@ def main() -> int:
         results["soak"] = soak(args.soak, modes[0], extra, args.soak_timeout, args.dump_after)
         print(f"soak: {results['soak']['hung']} of {args.soak} warm gates hung")
     (OUT / args.output).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        write_markdown(results, pathlib.Path(args.markdown), _shown(OUT / args.output))
     runs = results["runs"] + results.get("sharded", {}).get("runs", []) + results.get("soak", {}).get("details", [])
     ok = all(r["exit_code"] == 0 for r in runs) and results.get("sharded", {}).get("equals_unsharded", True)
     return 0 if ok else 1
+
+
+def _shown(path: pathlib.Path) -> str:
+    """A path as the page names it: relative to the repository where it is inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The third-party kernels README calls adoptable, each adopted as a new user would, at the
+"""The third-party kernels docs/families.md calls adoptable, each adopted as a new user would, at the
 current draws: copied into a package of the user's repository, the gate run bare, then
 ``attncheck expectations init``, then the gate again with the table it wrote, which must
 pass. Under that table a planted bug still fails, and an entry the kernel satisfies is
@@ -35,7 +35,7 @@ _JAX_TPU = "jax.experimental.pallas.ops.tpu"
 class Adoptee:
     """A kernel as an adopter has it: jax's module ``source`` copied into their package, a
     bug to plant in that copy (``planted``, a mutant of ``source``), and the bug classes of
-    the kernel's findings (README's "Findings"), the ones the table must name."""
+    the kernel's findings (docs/findings.md), the ones the table must name."""
 
     family: str
     source: str
@@ -143,7 +143,7 @@ def test_a_third_party_kernel_adopts_the_gate_with_the_table_init_writes_and_sta
     # under test (the copy is another implementation).
     statuses = {(d["entry"]["implementation"] == adoptee.ref, d["status"]) for d in adopted["deviations"]}
     assert statuses <= {(True, expectations.OCCURS), (False, expectations.NOT_UNDER_TEST)}, adopted["deviations"]
-    # The figures README's adoption table quotes, one file per kernel (pytest -s prints them too).
+    # The figures docs/families.md's adoption table quotes, one file per kernel (pytest -s prints them too).
     figures = {"kernel": adoptee.source, "bare": {"cases": bare["totals"]["cases"], "failing": len(_failing(bare))},
                "declared": {kind: sorted(e.name for e in table if e.kind == kind) for kind in expectations.KINDS},
                "adopted": {"verdict": adopted["verdict"], "cases": adopted["totals"]["cases"],
