@@ -16,6 +16,7 @@ import pytest
 from attncheck import scheduling
 from attncheck.report import records as rec
 from tests.selftest import harness, toy_spec
+from tests.selftest.harness import REPO_ROOT
 
 DIRECTIONS = set(toy_spec.SPEC.directions)
 # The gate verifies each implementation in two tests: the coverage examples, then the drawn cases.
@@ -89,9 +90,11 @@ def test_xdist_runs_merge_the_same_records_without_loss_or_mixing(gate_dir, vali
         assert {r["impl"] for r in records} == set(toy_spec.SPEC.default_impls)
         assert {r["outcome"] for r in records} == {"pass"}
         assert all(r["nodeid"].startswith("test_gate.py::test_kernel_matches_oracle[") for r in records)
-        # The controller saw every test's duration, whichever worker ran it.
+        # The controller saw every test's duration, whichever worker ran it (the packaged
+        # gate's tests keyed by their path in the package).
         durations = scheduling.load(gate_dir / report_name / scheduling.REPORT_FILE)
-        assert all(durations[r["nodeid"]] > 0 for r in records)
+        gate_file = REPO_ROOT / "attncheck" / "gate" / "test_gate.py"
+        assert all(durations[scheduling.test_key(r["nodeid"], gate_file)] > 0 for r in records)
         assert len(durations) == DEFAULT_TESTS
         # Each invalid-input test timed its kernel call itself, whichever worker ran it.
         kernel_times = rec.kernel_times_outside_records(gate_dir / report_name, report["run_id"])
