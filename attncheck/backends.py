@@ -91,22 +91,25 @@ class Backend:
         return self.max_devices is None or devices <= self.max_devices
 
     @contextlib.contextmanager
-    def context(self, seed: int = 0, devices: int = 1, cores: int | None = None) -> Iterator[None]:
-        """Run the kernel under this backend."""
+    def context(self, seed: int = 0, devices: int = 1, cores: int | None = None
+                ) -> Iterator[interpret_compat.InterpretedCalls | None]:
+        """Run the kernel under this backend; the block gets the count of the interpreter's
+        callbacks made in it (None when the backend does not interpret): what says a
+        Pallas kernel ran there."""
         settings = self.settings(seed, devices, cores)
         if settings:
             try:
                 with interpret_compat.emulated_tpu(self.tpu_device_kind), interpret_compat.ref_views(), \
-                        interpret_compat.host_callbacks(), \
+                        interpret_compat.host_callbacks() as calls, \
                         (interpret_compat.ordered_collectives() if devices > 1 else contextlib.nullcontext()), \
                         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):
-                    yield
+                    yield calls
             except BaseException:
                 # The interpreter's shared state is left inconsistent by an exception.
                 pltpu.reset_tpu_interpret_mode_state()
                 raise
         else:
-            yield
+            yield None
 
 
 # The TPU generation the backends without a TPU emulate. Mosaic lowering asks it; without a

@@ -38,6 +38,14 @@ MAX_YARDSTICK_ULPS = 4096.0
 # to 1/29 of what its rounding costs (7489 ulps, in a sum too short for its summation
 # orders to differ), while a wrong mapping is as wrong in float64.
 ROUNDING_FACTOR = 8.0
+# A backend is credited only with what ran on it: an interpreted case whose kernel made no
+# call into the Pallas interpreter, and a lowering with no Mosaic kernel in it, verified
+# nothing of the backend (the implementation fell back to XLA).
+NO_KERNEL_RAN = ("no Pallas kernel ran on {backend}: the implementation made no call into the Pallas interpreter "
+                 "(it fell back to XLA?); this backend verifies Pallas kernels only")
+MOSAIC_CALL = "tpu_custom_call"
+NO_KERNEL_LOWERED = ("lowered for platform tpu without a Pallas kernel (no Mosaic tpu_custom_call in the module): "
+                     "the implementation fell back to XLA, so no Pallas kernel was lowered")
 # Spec modules under this package are always known to ``attncheck repro``; any other one
 # (``--attncheck-spec``) is named in the reproducer so that it stays one command.
 BUILTIN_SPEC_PACKAGE = "attncheck.specs."
@@ -274,7 +282,7 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     with timings.phase("parameters"):
         base = dataclasses.replace(base, parameters=spec.parameters(target.impl, case, inputs))
     try:
-        with (target.backend.context(case.seed, p.device_count, p.simulated_cores),
+        with (target.backend.context(case.seed, p.device_count, p.simulated_cores) as interpreted,
               timings.phase("kernel", compiles=True)):
             got = spec.evaluate(target.impl, case, inputs)
         if not isinstance(got, dict):
@@ -282,6 +290,11 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
         record = _error(base, "all", exc, timings, interpreted=target.backend.interprets)
         return Outcome([_expected_if_whole(record, target, case, inputs)], fatal=timeout_in(exc))
+    if interpreted is not None and not interpreted.kernel_ran:
+        # What ran was not a Pallas kernel (an implementation that falls back to XLA off
+        # a TPU): its numbers say nothing of this backend, and no declaration excuses it.
+        return Outcome([Record(**dataclasses.asdict(base), direction="all", outcome="error",
+                               reason=NO_KERNEL_RAN.format(backend=target.backend.name), timings=dict(timings))])
     with timings.phase("oracle"):
         truth = spec.oracle(case, inputs)
     with timings.phase("yardstick", compiles=True):
@@ -431,8 +444,11 @@ def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
     for direction, export in exports.items():
         start = time.perf_counter()
         try:
-            export()
-            outcome, reason, trace = "pass", "lowered for platform tpu", None
+            lowered = export()
+            if MOSAIC_CALL in lowered.mlir_module():
+                outcome, reason, trace = "pass", "lowered for platform tpu", None
+            else:
+                outcome, reason, trace = "error", NO_KERNEL_LOWERED, None
         except Exception as exc:  # noqa: BLE001 - the kernel does not lower: a failing record
             outcome, reason, trace = "fail", error_text(exc), traceback.format_exc(limit=8)
         record = Record(**dataclasses.asdict(base), direction=direction, outcome=outcome, reason=reason,

@@ -8,7 +8,7 @@ Each patch is scoped to a ``with`` block that leaves jax exactly as it found it 
 - ``views``: ``ref_views()``, loads and stores through reshaped, bitcast and transposed
   refs, and masked stores the interpreter misjudges as out of bounds;
 - ``callbacks``: ``host_callbacks()``, the interpreter's host callbacks without jax's move
-  of every operand onto a device and back;
+  of every operand onto a device and back, counted (``InterpretedCalls``: did a kernel run);
 - ``collectives``: ``ordered_collectives()`` with ``in_collective_order(fn)``, every
   collective in program order with the interpreted kernels.
 
@@ -27,6 +27,7 @@ _EXPORTS = {
     "np_bitcast": "views",
     "ref_views": "views",
     "host_callbacks": "callbacks",
+    "InterpretedCalls": "callbacks",
     "in_collective_order": "collectives",
     "ordered_collectives": "collectives",
     "UNSUPPORTED_PREFIX": "limitations",

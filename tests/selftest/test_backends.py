@@ -162,3 +162,41 @@ def test_each_default_implementation_runs_on_its_own_backends_and_a_user_one_on_
         ("user", "xla", "coverage"), ("user", "xla", "drawn"), ("user", "interpret", "drawn")}
     with pytest.raises(TypeError, match="impl_backends"):
         type("Stray", (TwoKinds,), {"impl_backends": {"jnp": ("tpu",)}})()
+
+
+def _doubled(x):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+def test_an_interpreted_block_counts_the_kernels_that_ran_in_it_not_what_was_traced():
+    x = jnp.ones((8, 128), jnp.float32)
+    kernel, fallback = jax.jit(_doubled), jax.jit(lambda x: x * 2)
+    for _ in range(2):  # the second time from jit's cache: nothing is traced, the kernel still runs
+        with backends.BACKENDS["interpret"].context() as interpreted:
+            jax.block_until_ready(kernel(x))
+        assert interpreted.kernel_ran
+    with backends.BACKENDS["interpret-hazards"].context(0) as interpreted:
+        jax.block_until_ready(fallback(x))
+    assert not interpreted.kernel_ran and interpreted.count == 0
+    with backends.BACKENDS["xla"].context() as interpreted:
+        assert interpreted is None  # a native backend runs what it is given: nothing to count
+
+
+def test_a_backend_is_credited_only_with_a_pallas_kernel_that_ran_on_it():
+    """A pure-JAX implementation (as one that falls back to XLA off a TPU) checked on the
+    interpret backend verifies nothing of it: one error record, whatever its numbers."""
+    from attncheck import check
+    from tests.selftest import toy_spec
+
+    case = toy_spec.SPEC.case(3, dtype="float32", batch=1, heads=1, seq_len=8, head_dim=4, causal=False,
+                              sm_scale=toy_spec.SM_SCALE)
+    record, = check.check_case(check.Target(toy_spec.SPEC, "user", toy_spec.toy_attention,
+                                            backends.BACKENDS["interpret"]), case).records
+    assert (record.direction, record.outcome, record.expected) == ("all", "error", None)
+    assert record.reason.startswith("no Pallas kernel ran on interpret: the implementation made no call into the "
+                                    "Pallas interpreter")
+    assert {r.outcome for r in check.check_case(check.Target(toy_spec.SPEC, "user", toy_spec.toy_attention,
+                                                             backends.BACKENDS["xla"]), case).records} == {"pass"}
