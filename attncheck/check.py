@@ -23,7 +23,13 @@ from attncheck import interpret_compat, numerics, structure, yardstick
 from attncheck.backends import Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin, release_when_mappings_run_out
-from attncheck.expectations import BUG_CLASS, CONTRACT, Expectation
+from attncheck.expectations import (
+    BUG_CLASS,
+    CONTRACT,
+    UNSUPPORTED_BY_IMPLEMENTATION,
+    Expectation,
+    refusal,
+)
 from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record, target_id
 from attncheck.specs.base import KernelSpec
@@ -184,6 +190,18 @@ def timeout_in(exc: BaseException) -> str | None:
     return None
 
 
+def _refused(base: CaseRun, direction: str, target: Target, exc: BaseException, timings: dict) -> Record | None:
+    """The record of a case the implementation refused as a configuration it declares
+    unsupported (``expectations.refusal``); None when it declares no such refusal."""
+    found = refusal(target.expected, interpret_compat.exception_chain(exc))
+    if found is None:
+        return None
+    entry, line = found
+    return Record(**dataclasses.asdict(base), direction=direction, outcome="error",
+                  reason=f"{UNSUPPORTED_BY_IMPLEMENTATION}{line}", timings=dict(timings), expected=entry.id,
+                  deviations={entry.id: True})
+
+
 def _error(base: CaseRun, direction: str, exc: BaseException, timings: dict, *, interpreted: bool = False
            ) -> Record:
     return Record(**dataclasses.asdict(base), direction=direction, outcome="error",
@@ -288,6 +306,9 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
         if not isinstance(got, dict):
             raise TypeError(f"the spec's evaluate() returned {type(got).__name__}, expected a dict of directions")
     except Exception as exc:  # noqa: BLE001 - the kernel crashed: one error record, the test fails
+        refused = _refused(base, "all", target, exc, timings)
+        if refused is not None:
+            return Outcome([refused])
         record = _error(base, "all", exc, timings, interpreted=target.backend.interprets)
         return Outcome([_expected_if_whole(record, target, case, inputs)], fatal=timeout_in(exc))
     if interpreted is not None and not interpreted.kernel_ran:
@@ -439,6 +460,9 @@ def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
         base = dataclasses.replace(base, parameters=target.spec.parameters(target.impl, case, inputs))
         exports = target.spec.lower(target.impl, case)
     except Exception as exc:  # noqa: BLE001
+        refused = _refused(base, "all", target, exc, {})
+        if refused is not None:
+            return Outcome([refused])
         record = _error(base, "all", exc, {})
         return Outcome([_expected_if_whole(record, target, case, inputs)], fatal=timeout_in(exc))
     for direction, export in exports.items():
@@ -450,6 +474,10 @@ def _check_lowering(target: Target, case: Case, base: CaseRun) -> Outcome:
             else:
                 outcome, reason, trace = "error", NO_KERNEL_LOWERED, None
         except Exception as exc:  # noqa: BLE001 - the kernel does not lower: a failing record
+            refused = _refused(base, direction, target, exc, {"lower_s": time.perf_counter() - start})
+            if refused is not None:
+                records.append(refused)
+                continue
             outcome, reason, trace = "fail", error_text(exc), traceback.format_exc(limit=8)
         record = Record(**dataclasses.asdict(base), direction=direction, outcome=outcome, reason=reason,
                         traceback=trace, timings={"lower_s": time.perf_counter() - start})

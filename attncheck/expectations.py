@@ -13,6 +13,11 @@ names it) and one thing the implementation does not promise:
   naming the argument (the test becomes a strict xfail).
 - ``contract``: one of the family's contracts that fixes elements (``Contract.elements``)
   is not promised: those elements do not count.
+- ``unsupported``: a configuration the implementation refuses, by the message of the
+  ``NotImplementedError`` or ``ValueError`` it raises (a regular expression searched in
+  it). A case it refuses so is *unsupported by the implementation*: never a pass, listed
+  with its classes in the report (``unsupported_lines``), and counted as exercising none of
+  them, so that a class it refuses in every case is a coverage hole.
 
 An expected deviation still runs and is reported as one; it never fails the gate. An entry
 whose deviation no longer occurs in a run that exercised it fails the gate (a stale entry:
@@ -27,12 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-BUG_CLASS, INVALID_CALL, CONTRACT = "bug_class", "invalid_call", "contract"
-KINDS = (BUG_CLASS, INVALID_CALL, CONTRACT)
+BUG_CLASS, INVALID_CALL, CONTRACT, UNSUPPORTED = "bug_class", "invalid_call", "contract", "unsupported"
+KINDS = (BUG_CLASS, INVALID_CALL, CONTRACT, UNSUPPORTED)
+# The errors by which an implementation refuses a configuration it does not support.
+REFUSALS = (NotImplementedError, ValueError)
+# How the record of a case an implementation refused begins.
+UNSUPPORTED_BY_IMPLEMENTATION = "unsupported by the implementation: "
 # How a deviation stood in a run.
 OCCURS, STALE, NOT_EXERCISED = "occurs", "stale", "not exercised"
 # An entry for an implementation the run did not verify (a table naming a kernel by the
@@ -156,7 +166,15 @@ def validate(entries: Iterable[Expectation], families: Mapping[str, Any],
         spec = families.get(e.family)
         if spec is None:
             raise ExpectationError(f"{where}: no family {e.family!r} (known: {', '.join(sorted(families))})")
-        if e.kind == BUG_CLASS:
+        if e.kind == UNSUPPORTED:
+            try:
+                re.compile(e.name)
+            except re.error as exc:
+                raise ExpectationError(f"{where}: unsupported must be a regular expression searched in the message "
+                                       f"of the error the implementation refuses with; {e.name!r} is not one "
+                                       f"({exc})") from None
+            known = [e.name]
+        elif e.kind == BUG_CLASS:
             known = list(spec.class_names)
         elif e.kind == CONTRACT:
             known = [c.name for c in spec.contracts if c.elements is not None]
@@ -174,6 +192,43 @@ def validate(entries: Iterable[Expectation], families: Mapping[str, Any],
 def for_target(entries: Iterable[Expectation], family: str, implementation: str) -> tuple[Expectation, ...]:
     """The entries of one family x implementation."""
     return tuple(e for e in entries if e.family == family and e.implementation == implementation)
+
+
+def refusal(entries: Iterable[Expectation], errors: Iterable[BaseException]) -> tuple[Expectation, str] | None:
+    """The ``unsupported`` entry that declares one of ``errors`` (an exception's chain) a
+    refusal, with that error's line; None when none does."""
+    declared = [e for e in entries if e.kind == UNSUPPORTED]
+    for error in errors:
+        if isinstance(error, REFUSALS):
+            line = f"{type(error).__name__}: {error}"
+            for entry in declared:
+                if re.search(entry.name, str(error)):
+                    return entry, line
+    return None
+
+
+def refused(record) -> bool:
+    """The record is of a case its implementation refused as unsupported."""
+    return record.outcome == "error" and record.reason.startswith(UNSUPPORTED_BY_IMPLEMENTATION)
+
+
+def unsupported_lines(records) -> list[str]:
+    """One line per backend x kernel/impl x declared refusal: how many cases it refused,
+    and of which classes."""
+    cases: dict[tuple, dict[str, tuple[str, ...]]] = {}
+    for r in records:
+        if refused(r):
+            cases.setdefault((r.backend, f"{r.kernel}/{r.impl}", r.expected), {})[r.case_id] = tuple(r.classes)
+    lines = []
+    for (backend, kernel, entry), classes in sorted(cases.items()):
+        counts: dict[str, int] = {}
+        for names in classes.values():
+            for name in names:
+                counts[name] = counts.get(name, 0) + 1
+        by_class = ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
+        lines.append(f"{backend}: {kernel}: {len(classes)} case(s) not run, unsupported by the implementation as "
+                     f"declared by {entry} (classes: {by_class or 'none'})")
+    return lines
 
 
 def own_evidence(shown_in: Mapping[Any, set]) -> dict[Any, int]:

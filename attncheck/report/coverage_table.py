@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from attncheck.expectations import refused
 from attncheck.report.records import Record
 
 
@@ -18,7 +19,7 @@ class ClassCount:
 def table(records: list[Record], applicable: Mapping[str, tuple[str, ...]]) -> dict[str, dict[str, ClassCount]]:
     """kernel -> class -> cases that exercised it (one per case and backend) and how many
     of those failed. Kernels with no record are left out; applicable classes with no case
-    are listed with 0."""
+    are listed with 0. A case its implementation refused as unsupported exercised nothing."""
     result: dict[str, dict[str, ClassCount]] = {}
     for kernel, classes in applicable.items():
         if any(r.kernel == kernel for r in records):
@@ -26,6 +27,8 @@ def table(records: list[Record], applicable: Mapping[str, tuple[str, ...]]) -> d
     passed: dict[tuple, bool] = {}
     classes_of: dict[tuple, list[str]] = {}
     for r in records:
+        if refused(r):
+            continue
         key = (r.kernel, r.case_id, r.backend)
         passed[key] = passed.get(key, True) and not r.failing
         classes_of.setdefault(key, r.classes)

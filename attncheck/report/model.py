@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from attncheck import interpret_compat
 from attncheck.env import Platform
 from attncheck.expectations import (INVALID_CALL, NOT_EXERCISED, NOT_UNDER_TEST, OCCURS, STALE, Expectation,
-                                    own_evidence)
+                                    own_evidence, unsupported_lines)
 from attncheck.report import coverage_table, parameter_coverage
 from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record, target_id
@@ -187,7 +187,8 @@ class Report:
     skipped_backends: list[SkippedBackend]
     problems: list[str]  # why the verdict is FAIL besides failing records
     unverified: list[str]  # what was asked for and verified nothing (NO CASES)
-    # What interpret mode could not run, one line per backend x implementation x operation.
+    # What interpret mode could not run, one line per backend x implementation x operation,
+    # then what implementations refused as declared unsupported (expectations.unsupported_lines).
     # Those cases are error records: this names them, it never changes the verdict.
     limitations: list[str]
     regressions: list[str] | None  # None: no accepted budgets were given
@@ -345,7 +346,7 @@ def build(records: list[Record], *, run_id: str, complete: bool, wall_s: float |
                       deviations=sum(r.expected is not None for r in records)),
         summary=summarize(records), coverage=counts, device_growth=device_growth(records),
         skipped_backends=skipped_backends, problems=problems, unverified=list(unverified),
-        limitations=interpret_compat.limitation_lines(records), regressions=regressions, records=records,
+        limitations=interpret_compat.limitation_lines(records) + unsupported_lines(records), regressions=regressions, records=records,
         mutation=mutation, parameters=parameter_table(records),
         fixed_parameters={k: dict(v) for k, v in policy.fixed_parameters.items()},
         declared={k: v for k, v in policy.declared.items() if v.contracts}, shard=shard,

@@ -116,7 +116,7 @@ def render_markdown(report: Report) -> str:
         out += ["## Budgets above the accepted ones, not judged", ""] + [f"- {md(p)}" for p in report.budget_differences] \
             + [""]
     if report.limitations:
-        out += ["## Not runnable in interpret mode", ""] + [f"- {md(p)}" for p in report.limitations] + [""]
+        out += ["## Not run: unsupported by interpret mode or by the implementation", ""] + [f"- {md(p)}" for p in report.limitations] + [""]
     if failing:
         out += ["## Failures", "", "| kernel | impl | backend | direction | case | reason | reproduce |",
                 "|---|---|---|---|---|---|---|"]
@@ -483,7 +483,7 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
 {'<h2>Budgets above the accepted ones, not judged</h2><ul>' + differences + '</ul>' if differences else ''}
 {failures}
-{'<h2>Not runnable in interpret mode</h2><ul>' + limitations + '</ul>' if limitations else ''}
+{'<h2>Not run: unsupported by interpret mode or by the implementation</h2><ul>' + limitations + '</ul>' if limitations else ''}
 <h2 id="overview">Overview</h2>
 {plots.colorbar()}
 <div class="plots"><figure>{_overview_heatmap(report)}</figure></div>

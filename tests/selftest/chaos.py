@@ -196,3 +196,14 @@ def deviates_on_causal(q, k, v, *, causal: bool, sm_scale: float):
     wrong = causal or (os.environ.get(PLANT_ENV) and q.dtype == jnp.bfloat16)
     logits = toy_spec._logits(q, k, causal, sm_scale * (sm_scale if wrong else 1.0))
     return toy_spec._weighted(jax.nn.softmax(logits, axis=-1), v, q.dtype)
+
+
+REFUSAL = "causal masking is not supported by this kernel"
+
+
+def refuses_causal(q, k, v, *, causal: bool, sm_scale: float):
+    """A kernel that refuses a configuration it does not support, by name (as tokamax's
+    Pallas path refuses what it cannot tile); right on everything it runs."""
+    if causal:
+        raise NotImplementedError(f"{REFUSAL} (got causal={causal})")
+    return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)

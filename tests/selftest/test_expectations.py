@@ -187,3 +187,46 @@ def test_a_contract_declared_not_promised_drops_its_elements_and_nothing_else():
     [judged] = records(declared)
     assert judged.passed and judged.deviations == {declared[0].id: True}, judged.reason
     assert np.isfinite(judged.metrics.max_abs)  # the rest of the output is judged, and right
+
+
+def test_a_configuration_declared_unsupported_is_listed_never_passed_and_leaves_its_class_a_hole(gate_dir, pytester):
+    refuses = "tests.selftest.chaos:refuses_causal"
+    args = (f"--attncheck-impl=toy_attention={refuses}", "--attncheck-backend=xla")
+    # Undeclared, a refusal is an error like any crash.
+    assert harness.run_gate(pytester, "rep", *args).ret == pytest.ExitCode.TESTS_FAILED
+    table = gate_dir / "declared.toml"
+    table.write_text(expectations.toml([Expectation("toy_attention", refuses, expectations.UNSUPPORTED,
+                                                    r"causal masking is not supported", "it tiles no causal mask")],
+                                       pyproject=False))
+    result = harness.run_gate(pytester, "rep", *args, f"--attncheck-expectations={table}")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    report = harness.load_report(gate_dir / "rep")
+    refused = [r for r in report["records"] if r["outcome"] != "pass"]
+    assert refused and all(r["case"]["params"]["causal"] and r["direction"] == "all" and r["outcome"] == "error"
+                           and r["reason"] == f"unsupported by the implementation: NotImplementedError: "
+                                              f"{chaos.REFUSAL} (got causal=True)" for r in refused)
+    assert all(not r["case"]["params"]["causal"] for r in report["records"] if r["outcome"] == "pass")
+    entry = f"{refuses}/unsupported:causal masking is not supported"
+    line, = report["limitations"]
+    assert line.startswith(f"xla: toy_attention/user: {len({r['case_id'] for r in refused})} case(s) not run, "
+                           f"unsupported by the implementation as declared by {entry} (classes: ") and "causal " in line
+    assert [d["status"] for d in report["deviations"]] == ["occurs"]
+    assert report["coverage"]["toy_attention"]["causal"]["cases"] == 0  # a refused case exercised nothing
+    # A class refused in every case is a coverage hole.
+    result = harness.run_gate(pytester, "rep", *args, f"--attncheck-expectations={table}",
+                              "--attncheck-require-coverage")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    problems = harness.load_report(gate_dir / "rep")["problems"]
+    assert any(p.startswith("coverage: toy_attention never exercised") and "causal" in p for p in problems), problems
+
+
+def test_an_unsupported_entry_is_a_regular_expression_and_only_a_refusal_matches_it():
+    with pytest.raises(expectations.ExpectationError, match=r"unsupported must be a regular expression .* "
+                                                            r"'\(unclosed' is not one"):
+        expectations.validate([Expectation("toy_attention", "m:f", expectations.UNSUPPORTED, "(unclosed", "why")],
+                              specs.all_specs() | {"toy_attention": object()}, lambda spec, ref: [])
+    entry = Expectation("toy_attention", "m:f", expectations.UNSUPPORTED, "block .* should divide", "why")
+    refusal = ValueError("block 128 should divide 6")
+    assert expectations.refusal([entry], [refusal]) == (entry, "ValueError: block 128 should divide 6")
+    assert expectations.refusal([entry], [RuntimeError("block 128 should divide 6")]) is None  # not a refusal
+    assert expectations.refusal([entry], [ValueError("q must have rank 4")]) is None  # not the declared one
