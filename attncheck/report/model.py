@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from attncheck import interpret_compat
 from attncheck.env import Platform
 from attncheck.expectations import (INVALID_CALL, NOT_EXERCISED, NOT_UNDER_TEST, OCCURS, STALE, Expectation,
-                                    own_evidence, unsupported_lines)
+                                    own_evidence, refused, unsupported_lines)
 from attncheck.report import coverage_table, parameter_coverage
 from attncheck.report.policy import Declared, Policy
 from attncheck.report.records import SCHEMA_VERSION, Record, target_id
@@ -297,11 +297,12 @@ def describe_tests(outcomes: Mapping[str, int]) -> str:
 
 def unverified_targets(records: list[Record], asked: Mapping[str, str]) -> list[str]:
     """For every target asked for (target id -> what asked for it) with no case, a line
-    saying so; and one when nothing at all was asked for."""
+    saying so (a case its implementation refused as unsupported verified nothing); and
+    one when nothing at all was asked for."""
     if not asked:
         return ["no gate test was selected: nothing was verified (check -k, --attncheck-kernel and "
                 "--attncheck-backend, and that the run was not --collect-only)"]
-    verified = {target_id(r.kernel, r.impl, r.backend) for r in records}
+    verified = {target_id(r.kernel, r.impl, r.backend) for r in records if not refused(r)}
     return [f"{target}: no case verified ({why})" for target, why in sorted(asked.items()) if target not in verified]
 
 

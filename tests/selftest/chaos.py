@@ -207,3 +207,8 @@ def refuses_causal(q, k, v, *, causal: bool, sm_scale: float):
     if causal:
         raise NotImplementedError(f"{REFUSAL} (got causal={causal})")
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+def refuses_everything(q, k, v, *, causal: bool, sm_scale: float):
+    """A kernel that refuses every configuration: a run of it verifies nothing."""
+    raise NotImplementedError(f"{REFUSAL} (nor anything else)")

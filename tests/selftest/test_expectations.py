@@ -230,3 +230,18 @@ def test_an_unsupported_entry_is_a_regular_expression_and_only_a_refusal_matches
     assert expectations.refusal([entry], [refusal]) == (entry, "ValueError: block 128 should divide 6")
     assert expectations.refusal([entry], [RuntimeError("block 128 should divide 6")]) is None  # not a refusal
     assert expectations.refusal([entry], [ValueError("q must have rank 4")]) is None  # not the declared one
+
+
+def test_a_run_whose_every_case_was_refused_verified_nothing(gate_dir, pytester):
+    refuses = "tests.selftest.chaos:refuses_everything"
+    table = gate_dir / "declared.toml"
+    table.write_text(expectations.toml([Expectation("toy_attention", refuses, expectations.UNSUPPORTED,
+                                                    r"not supported", "it runs nothing")], pyproject=False))
+    result = harness.run_gate(pytester, "rep", f"--attncheck-impl=toy_attention={refuses}", "--attncheck-backend=xla",
+                              f"--attncheck-expectations={table}")
+    assert result.ret != pytest.ExitCode.OK
+    report = harness.load_report(gate_dir / "rep")
+    assert report["verdict"] != "PASS" and report["records"]
+    assert all(r["reason"].startswith("unsupported by the implementation: ") for r in report["records"])
+    unverified, = report["unverified"]
+    assert unverified.startswith("toy_attention-user-xla: no case verified"), unverified
