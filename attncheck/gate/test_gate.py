@@ -53,6 +53,8 @@ def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attnche
     if gate_target.part == selection.COVERAGE:
         failures = []
         for case in gate_target.share.of(coverage.examples(spec)):
+            if not target.backend.runs(case.params):
+                continue  # verified on the family's other backends (its classes count there)
             outcome = check_one(case)
             if outcome.failures:
                 failures.append(outcome.summary())
@@ -68,7 +70,7 @@ def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attnche
     @given(case=spec.cases())
     def drawn(case):
         assume(case.id not in covered)  # the coverage test runs those already
-        assume(target.backend.runs_devices(case.params.device_count))
+        assume(target.backend.runs(case.params))
         outcome = check_one(case)
         assert not outcome.failures, outcome.summary()
 

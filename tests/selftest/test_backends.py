@@ -140,6 +140,25 @@ def test_hazard_checks_refuse_more_devices_than_their_limit_by_name():
     assert backends.BACKENDS["interpret"].runs_devices(8)
 
 
+def test_hazard_checks_leave_rows_of_a_long_reduction_to_the_plain_interpreter():
+    """The race detector costs about 0.6 s a kv block: the ragged family's rows of thousands
+    of keys in 1-page blocks run on the plain interpret backend only, where their class
+    still counts."""
+    from attncheck import coverage
+    from attncheck.specs import all_specs
+
+    spec = all_specs()["ragged_paged_attention"]
+    long_class = next(c for c in spec.bug_classes if c.name == "long_reduction_offset_values")
+    examples = coverage.examples(spec)
+    long = [c for c in examples if long_class.applies(c.params)]
+    assert long, "the ragged family has no coverage example of a long reduction"
+    hazards, plain = backends.BACKENDS["interpret-hazards"], backends.BACKENDS["interpret"]
+    assert all(not hazards.runs(c.params) and plain.runs(c.params) for c in long)
+    assert any(hazards.runs(c.params) for c in examples)
+    assert all(hazards.runs(c.params) == (c.params.sequence_length <= backends.MAX_HAZARD_SEQUENCE)
+               for c in examples)
+
+
 def test_each_default_implementation_runs_on_its_own_backends_and_a_user_one_on_all(monkeypatch):
     """A convention with a pure-JAX and a Pallas implementation (jax.nn's and a kernel's):
     each default implementation gets its own backends, its coverage on the first of them."""
