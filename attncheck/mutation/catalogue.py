@@ -271,6 +271,12 @@ RAGGED_SOFTMAX = [
            replace="      acc_ref[h] = acc_ref[h] + pv\n",
            description="accumulator not rescaled by alpha between kv blocks",
            bug_class="missing_alpha_rescale"),
+    Mutant("rpa-acc-in-value-dtype", "ragged_paged_attention", RAGGED,
+           find="      acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv\n",
+           replace="      acc_ref[h] = (acc_ref[h] * alpha[:, :1] + pv).astype(q_ref.dtype).astype(jnp.float32)\n",
+           description="the running P @ V accumulator held in the query dtype between kv blocks (bfloat16 "
+                       "for bfloat16 queries): exact to rounding over a few blocks",
+           bug_class="narrow_accumulator"),
     Mutant("rpa-l-alpha-missing", "ragged_paged_attention", RAGGED,
            find="      l_ref[h] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
            replace="      l_ref[h] = l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",

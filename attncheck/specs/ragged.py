@@ -44,13 +44,17 @@ class Layout:
     head_dim: int
 
 
-# Two layouts in CI, so that each buffer dimension takes two values with only twice the
-# compiles ("compact" has a last query block that the default block size overhangs); the
-# nightly profile adds a wide one.
+# Three layouts in CI, so that each buffer dimension takes several values with few compiles
+# ("compact" has a last query block that the default block size overhangs; "long" has rows
+# of thousands of keys); the nightly profile adds a wide one.
 LAYOUTS = {"standard": Layout(max_tokens=64, max_seqs=4, pages_per_seq=8, total_pages=40, head_dim=128),
            "compact": Layout(max_tokens=24, max_seqs=3, pages_per_seq=5, total_pages=48, head_dim=64),
-           "wide": Layout(max_tokens=160, max_seqs=7, pages_per_seq=11, total_pages=96, head_dim=256)}
-LAYOUT_NAMES = S.Shapes(ci=("standard", "compact"), nightly=tuple(LAYOUTS))
+           "wide": Layout(max_tokens=160, max_seqs=7, pages_per_seq=11, total_pages=96, head_dim=256),
+           # Rows over thousands of keys in many kv blocks: where a running accumulator held
+           # in the value dtype loses each block's low bits (values offset from 0).
+           "long": Layout(max_tokens=16, max_seqs=2, pages_per_seq=S.MANY_KV_BLOCKS + 64,
+                          total_pages=2 * S.MANY_KV_BLOCKS + 136, head_dim=128)}
+LAYOUT_NAMES = S.Shapes(ci=("standard", "compact", "long"), nightly=tuple(LAYOUTS))
 HEAD_DIM = LAYOUTS["standard"].head_dim  # of the invalid calls
 PAGE_SIZES = S.Shapes(ci=(8, 16), nightly=(8, 16, 32))
 # (num_q_heads, num_kv_heads): GQA ratios 1, 2, 4, 8; 8 kv heads of float32 are more than
@@ -71,6 +75,9 @@ PADDING_KINDS = ("repeat_last", "minus_one", "garbage")
 # An explicit mask value that underflows like the default (the docstring: one that does
 # not gives no defined result).
 MASK_VALUE = -1e30
+# The value kinds: "offset" moves v away from 0 (strategies.V_OFFSET), so that the rounding
+# of a long P @ V accumulation is not hidden by the cancellation of centred values.
+VALUE_KINDS = (*S.NORMAL_AND_LARGE, "offset")
 KV_DTYPES = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
              **S.DTYPES}
 
@@ -91,7 +98,7 @@ class RaggedParams(Params):
     num_kv_pages_per_block: int | None
     num_queries_per_block: int | None
     padding: str  # a PADDING_KINDS way of filling metadata past num_seqs
-    values: str  # "normal" or "large"
+    values: str  # a VALUE_KINDS distribution
     layout: str = "standard"  # a LAYOUTS name
     mask_value: float | None = None  # None: the kernel's default
     vmem_limit_bytes: int | None = None  # None: the kernel's default
@@ -159,7 +166,7 @@ def ragged_cases(draw) -> Case:
         k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, *SM_SCALES))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),
         num_queries_per_block=draw(st.sampled_from((None, 8, 16, 24))),
-        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(S.NORMAL_AND_LARGE)),
+        padding=draw(st.sampled_from(PADDING_KINDS)), values=draw(st.sampled_from(VALUE_KINDS)),
         layout=layout, mask_value=draw(st.sampled_from((None, MASK_VALUE))),
         vmem_limit_bytes=draw(st.sampled_from((None, 64 * 1024 * 1024)))), seed)
 
@@ -219,6 +226,14 @@ def _with_several_keys(predicate):
     scores) shows only where a softmax spans several keys: over one key it is 1 whatever
     the logit, so a decode step on a 1-token sequence cannot tell them apart."""
     return lambda p: some_query_sees_several_keys(p) and predicate(p)
+
+
+def long_reduction_offset_values(p: RaggedParams) -> bool:
+    """A bfloat16 row over thousands of keys of v offset from 0, in many kv blocks: where
+    an accumulator held in the value dtype between blocks loses each block's low bits."""
+    block = p.kv_block_pages * p.page_size
+    return p.dtype == "bfloat16" and p.values == "offset" and any(
+        q and k >= S.LONG_REDUCTION and k >= S.MANY_KV_BLOCKS * block for q, k in p.seqs)
 
 
 def rows_end_in_different_kv_blocks(p: RaggedParams) -> bool:
@@ -331,11 +346,12 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         partial_last_q_block=lambda p: p.num_queries_per_block is not None
         and p.shapes.max_tokens % p.num_queries_per_block != 0,
         compact_layout=lambda p: p.layout == "compact",
+        long_reduction_offset_values=long_reduction_offset_values,
         explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p),
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes
          + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes
          + K_SCALE.classes + bugclasses.numbers("v_scale", lambda p: p.v_scale, ("in (0, 1)", "one", "above 1")).classes
-         + PAIRS + values_by_dtype(S.NORMAL_AND_LARGE)
+         + PAIRS + values_by_dtype(VALUE_KINDS)
          + bugclasses.presences(k_scale=lambda p: p.k_scale is not None, v_scale=lambda p: p.v_scale is not None,
                                 sliding_window=lambda p: p.sliding_window is not None,
                                 soft_cap=lambda p: p.soft_cap is not None))
@@ -379,6 +395,8 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                 rows = min(page_size, kv_len - page * page_size)
                 kv[order[used - pages + page], :rows] = rng.standard_normal((rows, 2 * hkv, shapes.head_dim))
         kv[:, :, 0::2] *= spread  # K only: large logits
+        if p.values == "offset":
+            kv[:, :, 1::2] += S.V_OFFSET  # V only (poison stays poison)
         if kv_dt == np.int8:
             kv = np.where(np.isnan(kv), 127, np.clip(np.round(kv * 30), -127, 127))
         _pad_metadata(p.padding, rng, kv_lens, cu, num_seqs)
