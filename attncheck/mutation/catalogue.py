@@ -82,6 +82,12 @@ FLASH_SOFTMAX = [
            replace="        acc_next = acc_prev + pv\n",
            description="accumulator not rescaled by alpha when the running max grows",
            bug_class="missing_alpha_rescale"),
+    Mutant("fa-acc-in-value-dtype", "flash_attention", FLASH,
+           find="        acc_next = _lanes_to(alpha, head_dim) * acc_prev + pv\n",
+           replace="        acc_next = (_lanes_to(alpha, head_dim) * acc_prev + pv).astype(v.dtype).astype(jnp.float32)\n",
+           description="the running P @ V accumulator held in the value dtype between kv blocks (bfloat16 for "
+                       "bfloat16 values): exact to rounding over a few blocks",
+           bug_class="narrow_accumulator"),
     Mutant("fa-l-alpha-missing", "flash_attention", FLASH,
            find="        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
            replace="        l_next = l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
@@ -431,6 +437,13 @@ RING_MUTANTS = [
            replace="    di = jnp.sum(g.astype(_ACC_DTYPE) * out.astype(q.dtype).astype(_ACC_DTYPE), axis=-1)\n",
            description="backward's di = rowsum(dO * O) from the output rounded to q.dtype (bfloat16 loses dq, dk)",
            bug_class="early_bf16_cast"),
+    Mutant("ring-acc-in-value-dtype", "ring_attention", RING,
+           find="    acc = acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", p_dropped.astype(v_c.dtype), v_c)\n",
+           replace="    acc = (acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", p_dropped.astype(v_c.dtype), v_c)"
+                   ").astype(v_c.dtype).astype(_ACC_DTYPE)\n",
+           description="the running P @ V accumulator held in the compute dtype between key chunks and ring steps "
+                       "(bfloat16 for bfloat16 inputs without float32_logits): exact to rounding over a few chunks",
+           bug_class="narrow_accumulator"),
     # Shows only on a row that sees no key at all (its running max stays -inf).
     Mutant("ring-masked-row-nan", "ring_attention", RING,
            find="    m_shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)\n",

@@ -222,6 +222,12 @@ def _minor_kv_blocks(p: FlashRingParams) -> tuple[str, str] | None:
     return walk(blocks["block_k"]), walk(blocks["block_k_dq"])
 
 
+def sees_every_key(p: RingParams) -> bool:
+    """Every row sees every key, with weights of its own (no causal mask, segment or key
+    padding hides one)."""
+    return not p.causal and p.segments == "none" and p.bias in ("none", "full")
+
+
 class RingSpec(KernelSpec[RingParams]):
     """One ring variant; subclasses say how to call it."""
 
@@ -413,7 +419,15 @@ class BlockwiseRingSpec(RingSpec):
     explicit_examples = {"only_one_key_rows": Case(name, ChunkedRingParams(
         dtype="float32", devices=2, seq_len=16, per_device=8, heads=1, head_dim=32, causal=False, bias="none",
         segments="absent", segment_starts=(0, 1), float32_logits=False, values="normal", check_vma=False,
-        query_chunk_size=8, key_chunk_size=8), 0)}
+        query_chunk_size=8, key_chunk_size=8), 0),
+        # Every condition of the class at once is too rare a draw for the search (none in 5000),
+        # and 256 tokens a device among the draws cost 160 s of the CI gate's 430. A ring of 8
+        # reduces over 2048 keys in 64 key chunks: a bfloat16 accumulator's out budget 2.3-3.2
+        # over 5 seeds, the float32 one 0.07-0.09.
+        "long_reduction_offset_values": Case(name, ChunkedRingParams(
+            dtype="bfloat16", devices=8, seq_len=2 * S.LONG_REDUCTION, per_device=256, heads=1, head_dim=64,
+            causal=False, bias="none", segments="none", segment_starts=(), float32_logits=False, values="offset",
+            check_vma=False, query_chunk_size=128, key_chunk_size=32), 0)}
     bug_classes = RING_CLASSES + bugclasses.bug_classes(
         dropout=lambda p: p.dropout_rate > 0,
         # A query whose segment starts past its device's first key chunk sees nothing of
@@ -425,6 +439,11 @@ class BlockwiseRingSpec(RingSpec):
         # leaves one query seeing one key, and every gradient of the case is a rounding of 0
         # (dP - rowsum(dO * O) cancels), judged at the floor unless the yardstick rounds it too.
         only_one_key_rows=lambda p: p.segments == "absent" and p.segment_starts == (0, 1),
+        # bfloat16 compute over many key chunks (all the ring's) of v whose offset cancels in
+        # every row: where a running accumulator narrower than float32 shows.
+        long_reduction_offset_values=lambda p: (
+            p.dtype == "bfloat16" and not p.float32_logits and p.values == "offset" and sees_every_key(p)
+            and S.spread_weights(p.scale, p.head_dim) and p.dropout_rate == 0 and p.seq_len // p.key_chunk_size >= S.CANCELLING_KV_BLOCKS),
     ) + bugclasses.numbers("dropout_rate", lambda p: p.dropout_rate,
                            ("zero", "in (0, 1)", "not a power of two")).classes + ring_pairs(
         bugclasses.partition("key_chunks", one=lambda p: p.key_chunk_size == p.per_device,

@@ -23,11 +23,12 @@ NORMAL_AND_LARGE = VALUE_KINDS[:2]
 # "large": logits of magnitude ~ LARGE_LOGIT_STD * scale * sqrt(d) ~ tens, where a float32
 # softmax that does not subtract the running max overflows, and one that does stays exact.
 LARGE_LOGIT_STD = 4.0
-# "offset": v with this mean (std 1): an output that is not near 0, so that the rounding of
-# a long P @ V accumulation (which grows with the number of keys) is not hidden by the
-# cancellation of zero-mean values. The cotangent stays centred: offset too, dP - rowsum(dO
-# * O) cancels, and jax.nn's own bfloat16 backward is then past the tolerance (dk budgets
-# 0.8-1.5 over 12 seeds of 2048 keys).
+# "offset": v with this mean (std 1) on the first half of the keys and its negative on the
+# second (``attention_values``): a long P @ V accumulation runs up to large sums, whose
+# rounding zero-mean values would never reach, and a row that sees both halves ends near
+# 0, where that rounding stands out. The cotangent stays centred: offset too, dP -
+# rowsum(dO * O) cancels, and jax.nn's own bfloat16 backward is then past the tolerance (dk
+# budgets 0.8-1.5 over 12 seeds of 2048 keys).
 V_OFFSET = 4.0
 # Keys a long reduction sums: a bfloat16 running sum of P @ V over this many terms of v
 # offset by V_OFFSET loses each term's low bits once it is large (measured: 1.3 off where a
@@ -40,6 +41,22 @@ LONG_REDUCTION = 1024
 # on v offset by V_OFFSET: budget 0.34 at 16 blocks, 0.79 at 83, 1.5 at 250; a float32
 # accumulator 0.10 at each).
 MANY_KV_BLOCKS = 256
+# Kv blocks a row steps through where its v offset cancels ("offset" values, a row that sees
+# both halves of the keys): the running sum peaks near V_OFFSET times half the weight and
+# ends near 0, so a bfloat16 accumulator's rounding, relative to the peak, stands out from
+# the output's (simulated with 128-key blocks: budget 0.8-1.1 at 8 blocks, 1.8-2.6 at 16,
+# 3.3-4.5 at 32; a float32 accumulator 0.1 at each).
+CANCELLING_KV_BLOCKS = 16
+
+
+def spread_weights(scale: float, head_dim: int) -> bool:
+    """Logits of normal q and k (std |scale| sqrt(head_dim)) of at most unit spread: a row's
+    softmax weights spread over many keys, so that "offset" values of both signs cancel in
+    its sum (a peaked softmax picks a few keys, and their offset). To rounding: the default
+    scale, 1 / sqrt(head_dim), is one ulp either side of it."""
+    return abs(scale) * head_dim ** 0.5 <= 1 + 1e-9
+
+
 # Seeds are 32-bit: enough variety, and short in reproducer commands.
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
@@ -72,7 +89,13 @@ def attention_values(rng: np.random.Generator, kind: str, shape: tuple[int, ...]
     if kind == "large" and role in ("q", "k"):
         return x * LARGE_LOGIT_STD
     if kind == "offset" and role == "v":
-        return x + V_OFFSET
+        # +V_OFFSET on the first half of the keys, -V_OFFSET on the second: a row that sees
+        # both sums terms of magnitude V_OFFSET to a result near 0, an ill-conditioned sum in
+        # which a narrow accumulator's rounding (relative to the running sum, which peaks
+        # halfway) stands out against the output's own; a row that sees one half has an
+        # output far from 0.
+        keys = shape[-2]
+        return x + np.where(np.arange(keys) < (keys + 1) // 2, V_OFFSET, -V_OFFSET)[:, None]
     if kind == "ties" and role == "k":
         # Keys equal in pairs (2j, 2j+1): exact logit ties everywhere, across block edges too
         # when a pair straddles one. Not all keys equal: that makes dq exactly zero by

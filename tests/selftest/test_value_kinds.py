@@ -23,13 +23,23 @@ def _standard_normal(x: np.ndarray) -> bool:
 @pytest.mark.parametrize("kind, role, mean, std", [
     ("large", "q", 0.0, 4.0),
     ("large", "k", 0.0, 4.0),
-    ("offset", "v", 4.0, 1.0),
 ])
 def test_a_kind_moves_its_operand_only(kind, role, mean, std):
     x = _values(kind, role)
     assert abs(x.mean() - mean) < 0.05 and abs(x.std() - std) < 0.05
     assert all(_standard_normal(_values(kind, other)) for other in ROLES if other != role and not (
         kind == "large" and other in ("q", "k")))
+
+
+def test_offset_moves_v_up_on_the_first_half_of_the_keys_and_down_on_the_second():
+    v = _values("offset", "v")
+    first, second = v[..., : SHAPE[2] // 2, :], v[..., SHAPE[2] // 2:, :]
+    assert abs(first.mean() - 4.0) < 0.05 and abs(second.mean() + 4.0) < 0.05
+    assert abs(first.std() - 1) < 0.05 and abs(second.std() - 1) < 0.05
+    assert all(_standard_normal(_values("offset", other)) for other in ROLES if other != "v")
+    # An odd number of keys: the middle one goes up.
+    odd = S.attention_values(np.random.default_rng(0), "offset", (3, 2), role="v")
+    assert (odd[:2] > 0).all() and (odd[2] < 0).all() and (np.abs(odd) > 1).all()
 
 
 def test_normal_is_standard_normal_for_every_operand():
