@@ -88,6 +88,12 @@ FLASH_SOFTMAX = [
            description="the running P @ V accumulator held in the value dtype between kv blocks (bfloat16 for "
                        "bfloat16 values): exact to rounding over a few blocks",
            bug_class="narrow_accumulator"),
+    Mutant("fa-l-in-value-dtype", "flash_attention", FLASH,
+           find="        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
+           replace="        l_next = (alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)).astype(v.dtype).astype(jnp.float32)\n",
+           description="the running softmax denominator held in the value dtype between kv blocks (bfloat16 for "
+                       "bfloat16 values): exact to rounding unless one key outweighs the blocks after it",
+           bug_class="narrow_accumulator"),
     Mutant("fa-l-alpha-missing", "flash_attention", FLASH,
            find="        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
            replace="        l_next = l_prev + jnp.sum(p, axis=1, keepdims=True)\n",

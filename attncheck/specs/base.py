@@ -39,7 +39,7 @@ FLOAT32_ACCUMULATION = Contract(
     "float32_accumulation", "sums (P @ V, the softmax denominator, dP = dO.v, every gradient's reduction) accumulate "
     "in float32 for bfloat16 and float32 inputs; an implementation that knowingly accumulates lower declares its "
     "family's class of long or cancelling bfloat16 reductions of values offset from 0 a deviation "
-    "(long_reduction_offset_values, bf16_long_kv_offset_values, values_offset__dtype_bfloat16)")
+    "(long_reduction_offset_values, long_reduction_sink, bf16_long_kv_offset_values, values_offset__dtype_bfloat16)")
 MASK_VALUE_UNDERFLOWS = ("a mask value must underflow against every visible logit: a large negative number (one "
                          "of another cell would make hidden keys visible)")
 

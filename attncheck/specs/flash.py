@@ -41,6 +41,8 @@ FAMILY = "flash_attention"
 # kernel may handle scattered -inf entries and still fail a row they empty: the cells keep
 # the two apart, so a class can name each.
 BIAS_VALUE_KINDS = ("normal", "neg_inf", "neg_inf_row", "nonfinite_masked")
+# The running sums of the forward hold a sink's weight across kv blocks (strategies.SINK).
+VALUE_KINDS = (*S.VALUE_KINDS, S.SINK)
 NEG_INF_KINDS = ("neg_inf", "neg_inf_row")
 SEGMENT_DTYPES = ("int32", "int16")
 # None: the kernel's default; interpret mode has no VMEM, tpu-lower passes it to Mosaic.
@@ -98,7 +100,7 @@ class FlashParams(Params):
     bias: bool
     segments: str  # "none", "packed", or "absent" (a query segment missing from kv)
     segment_starts: tuple[int, ...]
-    values: str  # an S.VALUE_KINDS distribution
+    values: str  # a VALUE_KINDS distribution
     blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
     bias_values: str = "normal"  # a BIAS_VALUE_KINDS pattern of the ab entries
     emptied_row: int | None = None  # the query row "neg_inf_row" empties (None for the other kinds)
@@ -162,6 +164,12 @@ def q_tiles_wider_than_kv_tiles(p: FlashParams) -> bool:
 def sees_every_key(p: FlashParams) -> bool:
     """Every row sees every key (no causal mask, segment or -inf bias hides one)."""
     return not p.causal and p.segments == "none" and not (p.bias and p.bias_values != "normal")
+
+
+def sees_sink(p: FlashParams) -> bool:
+    """Every row sees key 0 and every key after it, at the default scale, the one the
+    sink's margins are drawn for."""
+    return sees_every_key(p) and math.isclose(p.sm_scale * math.sqrt(p.head_dim), 1.0)
 
 
 def causal_skips_in_every_pass(p: FlashParams) -> bool:
@@ -260,7 +268,7 @@ def flash_cases(draw) -> Case:
         sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), *SM_SCALES))),
         bias=bias, segments=segments,
         segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
-        values=draw(st.sampled_from(S.VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len, batch)),
+        values=draw(st.sampled_from(VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len, batch)),
         bias_values=bias_values, emptied_row=draw(st.integers(0, q_len - 1)) if bias_values == "neg_inf_row" else None,
         segment_dtype=draw(st.sampled_from(SEGMENT_DTYPES)) if segments != "none" else "int32",
         vmem_limit_bytes=draw(st.sampled_from(VMEM_LIMITS))), seed)
@@ -336,6 +344,10 @@ class FlashSpec(KernelSpec[FlashParams]):
         long_reduction_offset_values=lambda p: (p.dtype == "bfloat16" and p.values == "offset" and sees_every_key(p)
                                                 and S.spread_weights(p.sm_scale, p.head_dim)
                                                 and p.kv_len // p.block_sizes["block_k"] >= S.CANCELLING_KV_BLOCKS),
+        # bfloat16 over many kv blocks after a sink every row sees, at the scale its margins are
+        # drawn for: where a running softmax denominator narrower than float32 shows.
+        long_reduction_sink=lambda p: (p.dtype == "bfloat16" and p.values == S.SINK and sees_sink(p)
+                                       and p.kv_len // p.block_sizes["block_k"] >= S.SINK_KV_BLOCKS),
         # float32 logits over a head dim of 256, recomputed by a backward in other tiles than
         # the forward's: XLA's CPU dot rounds them otherwise there (measured: not at 64 or
         # 128), so the backward's P is not normalised by its own logits. The nightly found the
@@ -343,7 +355,7 @@ class FlashSpec(KernelSpec[FlashParams]):
         f32_wide_head_retiled_backward=lambda p: (p.dtype == "float32" and p.head_dim == 256
                                                   and len(set(logit_tiles(p))) > 1),
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS
-         + values_by_dtype() + bugclasses.presences(ab=lambda p: p.bias, segment_ids=lambda p: p.segments != "none"))
+         + values_by_dtype(VALUE_KINDS) + bugclasses.presences(ab=lambda p: p.bias, segment_ids=lambda p: p.segments != "none"))
     examples = {"interpret": 20, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
     # of the CI profile's strategy found none once a value kind was added, the nightly's
@@ -369,7 +381,14 @@ class FlashSpec(KernelSpec[FlashParams]):
             sm_scale=128 ** -0.5, bias=False, segments="none", segment_starts=(), values="offset",
             blocks=(("block_q", 128), ("block_k_major", 512), ("block_k", 128), ("block_b", 1),
                     ("block_q_major_dkv", 128), ("block_k_major_dkv", 512), ("block_k_dkv", 128), ("block_q_dkv", 128),
-                    ("block_k_major_dq", 512), ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
+                    ("block_k_major_dq", 512), ("block_k_dq", 128), ("block_q_dq", 128))), 0),
+        # As rare. 8192 keys: 64 kv blocks.
+        "long_reduction_sink": Case(FAMILY, FlashParams(
+            dtype="bfloat16", batch=1, heads=1, q_len=128, kv_len=8 * S.LONG_REDUCTION, head_dim=128, causal=False,
+            sm_scale=128 ** -0.5, bias=False, segments="none", segment_starts=(), values=S.SINK,
+            blocks=(("block_q", 128), ("block_k_major", 1024), ("block_k", 128), ("block_b", 1),
+                    ("block_q_major_dkv", 128), ("block_k_major_dkv", 1024), ("block_k_dkv", 128),
+                    ("block_q_dkv", 128), ("block_k_major_dq", 1024), ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
     contracts = (FLOAT32_ACCUMULATION,
         Contract("absent_segment_rows", "a row that sees no key of its own segment averages v uniformly over the "
                  "causally visible keys of the other segments, with the softmax gradient at those weights, causal "

@@ -41,6 +41,19 @@ LONG_REDUCTION = 1024
 # on v offset by V_OFFSET: budget 0.34 at 16 blocks, 0.79 at 83, 1.5 at 250; a float32
 # accumulator 0.10 at each).
 MANY_KV_BLOCKS = 256
+# "sink": key 0 draws every query's attention by a margin that grows over the queries, from 0
+# at the first to SINK_GAP logits at the last (at the default scale 1 / sqrt(head_dim)), as
+# an LLM's first token does. Once a running sum holds the sink's weight, a block of keys
+# whose weight is under half its ulp adds nothing to a bfloat16 sum, and some query's margin
+# puts every later block there whatever the block size: the softmax denominator loses them
+# all. Drawn by the families whose kernels keep such sums across kv blocks (flash).
+SINK = "sink"
+SINK_GAP = 20.0
+# Kv blocks after the sink's for its rows to lose in a narrow running sum: a bfloat16
+# denominator then errs by up to blocks * 2^-9, past the 4-ulp floor from about 20 blocks
+# (simulated with 128-key blocks: budget 1.0-1.2 at 16 blocks, 2.1-2.3 at 32, 3.6-4.1 at
+# 64; a float32 one 0.06-0.08 at each).
+SINK_KV_BLOCKS = 64
 # Kv blocks a row steps through where its v offset cancels ("offset" values, a row that sees
 # both halves of the keys): the running sum peaks near V_OFFSET times half the weight and
 # ends near 0, so a bfloat16 accumulator's rounding, relative to the peak, stands out from
@@ -96,6 +109,12 @@ def attention_values(rng: np.random.Generator, kind: str, shape: tuple[int, ...]
         # output far from 0.
         keys = shape[-2]
         return x + np.where(np.arange(keys) < (keys + 1) // 2, V_OFFSET, -V_OFFSET)[:, None]
+    if kind == SINK and role == "q":
+        return x + np.linspace(0.0, 1.0, shape[-2])[:, None]
+    if kind == SINK and role == "k":
+        # Along the all-ones direction, which each query's component above scales.
+        x[..., 0, :] += SINK_GAP / np.sqrt(shape[-1])
+        return x
     if kind == "ties" and role == "k":
         # Keys equal in pairs (2j, 2j+1): exact logit ties everywhere, across block edges too
         # when a pair straddles one. Not all keys equal: that makes dq exactly zero by

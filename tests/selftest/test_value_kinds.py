@@ -55,3 +55,17 @@ def test_ties_repeat_each_key_once_and_nothing_else():
 
 def test_every_kind_is_one_of_these():
     assert set(S.VALUE_KINDS) == {"normal", "large", "ties", "offset"}
+
+
+def test_sink_draws_every_query_to_key_0_by_a_margin_growing_over_the_queries():
+    q = S.attention_values(np.random.default_rng(0), S.SINK, (256, 128), role="q")
+    k = S.attention_values(np.random.default_rng(1), S.SINK, (4096, 128), role="k")
+    logits = q @ k.T / np.sqrt(128)
+    margin = logits[:, 0] - np.median(logits[:, 1:], axis=1)
+    # Each row's margin is its share of SINK_GAP plus noise of std about 2 (its own q against
+    # key 0's): the mean of 16 rows is within 2 of the share's.
+    share = S.SINK_GAP * np.linspace(0, 1, 256)
+    assert abs(margin[:16].mean() - share[:16].mean()) < 2 and abs(margin[-16:].mean() - share[-16:].mean()) < 2
+    # The shares' spread (std 5.8) against that noise: a correlation of about 0.95.
+    assert np.corrcoef(margin, np.arange(256))[0, 1] > 0.9
+    assert _standard_normal(k[1:]) and all(_standard_normal(_values(S.SINK, role)) for role in ROLES if role not in "qk")
