@@ -289,6 +289,13 @@ RAGGED_SOFTMAX = [
            description="the running P @ V accumulator held in the query dtype between kv blocks (bfloat16 "
                        "for bfloat16 queries): exact to rounding over a few blocks",
            bug_class="narrow_accumulator"),
+    Mutant("rpa-l-in-value-dtype", "ragged_paged_attention", RAGGED,
+           find="      l_ref[h] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
+           replace="      l_ref[h] = (alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)).astype(q_ref.dtype)"
+                   ".astype(jnp.float32)\n",
+           description="the running softmax denominator held in the query dtype between kv blocks (bfloat16 for "
+                       "bfloat16 queries): exact to rounding unless one key outweighs the blocks after it",
+           bug_class="narrow_accumulator"),
     Mutant("rpa-l-alpha-missing", "ragged_paged_attention", RAGGED,
            find="      l_ref[h] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
            replace="      l_ref[h] = l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
@@ -443,6 +450,13 @@ RING_MUTANTS = [
            replace="    di = jnp.sum(g.astype(_ACC_DTYPE) * out.astype(q.dtype).astype(_ACC_DTYPE), axis=-1)\n",
            description="backward's di = rowsum(dO * O) from the output rounded to q.dtype (bfloat16 loses dq, dk)",
            bug_class="early_bf16_cast"),
+    Mutant("ring-l-in-value-dtype", "ring_attention", RING,
+           find="    l = l * alpha + p.sum(axis=-1)\n",
+           replace="    l = (l * alpha + p.sum(axis=-1)).astype(v_c.dtype).astype(_ACC_DTYPE)\n",
+           description="the running softmax denominator held in the compute dtype between key chunks and ring steps "
+                       "(bfloat16 for bfloat16 inputs without float32_logits): exact to rounding unless one key "
+                       "outweighs the chunks after it",
+           bug_class="narrow_accumulator"),
     Mutant("ring-acc-in-value-dtype", "ring_attention", RING,
            find="    acc = acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", p_dropped.astype(v_c.dtype), v_c)\n",
            replace="    acc = (acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", p_dropped.astype(v_c.dtype), v_c)"

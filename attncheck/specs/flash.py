@@ -169,7 +169,7 @@ def sees_every_key(p: FlashParams) -> bool:
 def sees_sink(p: FlashParams) -> bool:
     """Every row sees key 0 and every key after it, at the default scale, the one the
     sink's margins are drawn for."""
-    return sees_every_key(p) and math.isclose(p.sm_scale * math.sqrt(p.head_dim), 1.0)
+    return sees_every_key(p) and S.sink_scale(p.sm_scale, p.head_dim)
 
 
 def causal_skips_in_every_pass(p: FlashParams) -> bool:

@@ -76,8 +76,10 @@ PADDING_KINDS = ("repeat_last", "minus_one", "garbage")
 # not gives no defined result).
 MASK_VALUE = -1e30
 # The value kinds: "offset" moves v away from 0 (strategies.V_OFFSET), so that the rounding
-# of a long P @ V accumulation is not hidden by the cancellation of centred values.
-VALUE_KINDS = (*S.NORMAL_AND_LARGE, "offset")
+# of a long P @ V accumulation is not hidden by the cancellation of centred values; "sink"
+# makes each sequence's first key outweigh the rest (strategies.SINK), the query rows' margins
+# spread over tokens and heads together.
+VALUE_KINDS = (*S.NORMAL_AND_LARGE, "offset", S.SINK)
 KV_DTYPES = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
              **S.DTYPES}
 
@@ -236,6 +238,16 @@ def long_reduction_offset_values(p: RaggedParams) -> bool:
         q and k >= S.LONG_REDUCTION and k >= S.MANY_KV_BLOCKS * block for q, k in p.seqs)
 
 
+def long_reduction_sink(p: RaggedParams) -> bool:
+    """A bfloat16 sequence whose query rows see its sink and many kv blocks after it, at the
+    scale the sink's margins are drawn for, with nothing that caps or hides the sink's
+    logit: where a softmax denominator held in the value dtype loses those blocks."""
+    block = p.kv_block_pages * p.page_size
+    return (p.dtype == "bfloat16" and p.values == S.SINK and S.sink_scale(p.sm_scale, p.shapes.head_dim)
+            and p.sliding_window is None and p.soft_cap is None and p.k_scale in (None, 1.0)
+            and any(q > 1 and k >= S.SINK_KV_BLOCKS * block for q, k in p.seqs))
+
+
 def rows_end_in_different_kv_blocks(p: RaggedParams) -> bool:
     """One grid step holds two consecutive query rows of a sequence whose last visible keys
     lie in different kv blocks: the step processes the later row's last block, which is
@@ -347,6 +359,7 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         and p.shapes.max_tokens % p.num_queries_per_block != 0,
         compact_layout=lambda p: p.layout == "compact",
         long_reduction_offset_values=long_reduction_offset_values,
+        long_reduction_sink=long_reduction_sink,
         explicit_mask_value=lambda p: p.mask_value is not None and some_query_sees_several_keys(p),
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes
          + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes
@@ -356,6 +369,13 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                                 sliding_window=lambda p: p.sliding_window is not None,
                                 soft_cap=lambda p: p.soft_cap is not None))
     examples = {"interpret": 26, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 36}
+    # Every condition of the class at once is a rare draw. 16 query rows of 2 heads: 32
+    # margins, a step of 0.65 logits across the sink's window.
+    explicit_examples = {"long_reduction_sink": Case(FAMILY, RaggedParams(
+        dtype="bfloat16", kv_dtype="bfloat16", page_size=16, num_q_heads=2, num_kv_heads=2,
+        seqs=((16, S.MANY_KV_BLOCKS * 16),), sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
+        sm_scale=128 ** -0.5, num_kv_pages_per_block=1, num_queries_per_block=None, padding="repeat_last",
+        values=S.SINK, layout="long"), 0)}
     contracts = (FLOAT32_ACCUMULATION,
         Contract("padding_rows_are_zero", "output rows of tokens that belong to no sequence (past "
                  "cu_q_lens[num_seqs]) are zeros (this family's kernel promises it; an implementation that leaves them "
@@ -380,6 +400,8 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         spread = S.LARGE_LOGIT_STD if p.values == "large" else 1.0
         queries = rng.standard_normal((shapes.max_tokens, hq, shapes.head_dim)) * spread
+        if p.values == S.SINK:
+            queries += S.sink_margins(shapes.max_tokens * hq).reshape(shapes.max_tokens, hq, 1)
         queries[cu[num_seqs]:] = np.nan  # padding tokens
         # Pages: a shuffled, non-contiguous allocation; everything unallocated is poison.
         order = rng.permutation(shapes.total_pages)
@@ -395,6 +417,10 @@ class RaggedSpec(KernelSpec[RaggedParams]):
                 rows = min(page_size, kv_len - page * page_size)
                 kv[order[used - pages + page], :rows] = rng.standard_normal((rows, 2 * hkv, shapes.head_dim))
         kv[:, :, 0::2] *= spread  # K only: large logits
+        if p.values == S.SINK:
+            for s, (_, kv_len) in enumerate(seqs):
+                if kv_len:
+                    kv[page_indices[s, 0], 0, 0::2] += S.sink_key(shapes.head_dim)
         if p.values == "offset":
             kv[:, :, 1::2] += S.V_OFFSET  # V only (poison stays poison)
         if kv_dt == np.int8:

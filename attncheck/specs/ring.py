@@ -45,6 +45,8 @@ BIAS_KINDS = ("none", "full", "key_padding", "batch_keys", "neg_inf_rows")
 SEGMENT_KINDS = ("none", "packed", "absent")
 # Bias of the padded keys in "key_padding": soft, so no row becomes fully masked by it.
 KEY_PADDING_BIAS = -30.0
+# The running sums of a ring step hold a sink's weight across key chunks (strategies.SINK).
+VALUE_KINDS = (*S.VALUE_KINDS, S.SINK)
 DROPOUT_RATES = (0.0, 0.25, 0.3, 0.5)  # 0.3: a keep scale 1 / 0.7 that rounds
 EXPLICIT_SM_SCALE = 0.3
 # Every cell of the scale (a hide value times a negative or zero scale stops hiding; 1 a
@@ -69,7 +71,7 @@ class RingParams(Params):
     segments: str  # a SEGMENT_KINDS layout
     segment_starts: tuple[int, ...]
     float32_logits: bool
-    values: str  # an S.VALUE_KINDS distribution
+    values: str  # a VALUE_KINDS distribution
     batch: int = 1
     sm_scale: float | None = None  # None: the kernel's default 1/sqrt(head_dim)
     placement: str = "count"  # a PLACEMENTS way of naming the devices
@@ -144,7 +146,7 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
         heads=draw(st.sampled_from((1, 2))), head_dim=draw(st.sampled_from(head_dims())), causal=draw(st.booleans()),
         bias=bias, segments=segments,
         segment_starts=draw(S.segment_layout(seq)) if segments != "none" else (),
-        float32_logits=draw(st.booleans()), values=draw(st.sampled_from(S.VALUE_KINDS)),
+        float32_logits=draw(st.booleans()), values=draw(st.sampled_from(VALUE_KINDS)),
         batch=draw(st.sampled_from((1, 2))), sm_scale=sm_scale,
         placement=draw(st.sampled_from(PLACEMENTS)), check_vma=draw(st.booleans()),
         single_segment_ids=segments == "packed" and draw(st.booleans()),
@@ -191,6 +193,10 @@ RING_CLASSES = bugclasses.bug_classes(
     fully_masked_row=lambda p: p.segments == "absent",
     # One segment-id array for queries and keys instead of a (q, kv) pair.
     single_segment_ids=lambda p: p.single_segment_ids and p.segments != "none",
+    # Segment ids narrower than int32 (the draws' other dtype), as a pair and as one array:
+    # classes, not a draw's luck, hold the parameter coverage that asks each form varied.
+    int16_segment_ids=lambda p: p.segments != "none" and not p.single_segment_ids and p.segment_dtype == "int16",
+    int16_single_segment_ids=lambda p: p.single_segment_ids and p.segments != "none" and p.segment_dtype == "int16",
     bias=lambda p: p.bias != "none",
     bf16=lambda p: p.dtype == "bfloat16",
     large_logits=lambda p: p.values == "large",
@@ -205,7 +211,7 @@ RING_CLASSES = bugclasses.bug_classes(
     batch_gt_1=lambda p: p.batch > 1 and p.devices > 1,
     bias_per_batch_element=lambda p: p.bias == "batch_keys" and p.batch > 1,
     devices_from_a_mesh=lambda p: p.placement == "mesh" and p.devices > 1,
-) + SCALE.classes + values_by_dtype()
+) + SCALE.classes + values_by_dtype(VALUE_KINDS)
 # The optional inputs of the bias-taking rings, each given or not apart from the other.
 RING_PRESENCES = dict(attn_bias=lambda p: p.bias != "none", segment_ids=lambda p: p.segments != "none")
 
@@ -427,6 +433,11 @@ class BlockwiseRingSpec(RingSpec):
         "long_reduction_offset_values": Case(name, ChunkedRingParams(
             dtype="bfloat16", devices=8, seq_len=2 * S.LONG_REDUCTION, per_device=256, heads=1, head_dim=64,
             causal=False, bias="none", segments="none", segment_starts=(), float32_logits=False, values="offset",
+            check_vma=False, query_chunk_size=128, key_chunk_size=32), 0),
+        # As rare: the sink's rows (device 0's) step through the ring's 64 key chunks after it.
+        "long_reduction_sink": Case(name, ChunkedRingParams(
+            dtype="bfloat16", devices=8, seq_len=2 * S.LONG_REDUCTION, per_device=256, heads=1, head_dim=64,
+            causal=False, bias="none", segments="none", segment_starts=(), float32_logits=False, values=S.SINK,
             check_vma=False, query_chunk_size=128, key_chunk_size=32), 0)}
     bug_classes = RING_CLASSES + bugclasses.bug_classes(
         dropout=lambda p: p.dropout_rate > 0,
@@ -441,6 +452,12 @@ class BlockwiseRingSpec(RingSpec):
         only_one_key_rows=lambda p: p.segments == "absent" and p.segment_starts == (0, 1),
         # bfloat16 compute over many key chunks (all the ring's) of v whose offset cancels in
         # every row: where a running accumulator narrower than float32 shows.
+        # The same after a sink every row sees, at the scale its margins are drawn for: where a
+        # running softmax denominator narrower than float32 shows.
+        long_reduction_sink=lambda p: (
+            p.dtype == "bfloat16" and not p.float32_logits and p.values == S.SINK and sees_every_key(p)
+            and S.sink_scale(p.scale, p.head_dim) and p.dropout_rate == 0
+            and p.seq_len // p.key_chunk_size >= S.SINK_KV_BLOCKS),
         long_reduction_offset_values=lambda p: (
             p.dtype == "bfloat16" and not p.float32_logits and p.values == "offset" and sees_every_key(p)
             and S.spread_weights(p.scale, p.head_dim) and p.dropout_rate == 0 and p.seq_len // p.key_chunk_size >= S.CANCELLING_KV_BLOCKS),

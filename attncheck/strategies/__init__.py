@@ -70,6 +70,23 @@ def spread_weights(scale: float, head_dim: int) -> bool:
     return abs(scale) * head_dim ** 0.5 <= 1 + 1e-9
 
 
+def sink_margins(rows: int) -> np.ndarray:
+    """Each query row's component along the all-ones direction: its share of SINK_GAP,
+    from 0 at the first row to 1 at the last."""
+    return np.linspace(0.0, 1.0, rows)
+
+
+def sink_key(head_dim: int) -> float:
+    """What the sink key adds to each of its head dims: SINK_GAP logits, at the default
+    scale, for a query whose share is 1."""
+    return SINK_GAP / np.sqrt(head_dim)
+
+
+def sink_scale(scale: float, head_dim: int) -> bool:
+    """The scale a sink's margins are drawn for: the default, 1 / sqrt(head_dim)."""
+    return abs(scale * head_dim ** 0.5 - 1) < 1e-9
+
+
 # Seeds are 32-bit: enough variety, and short in reproducer commands.
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 
@@ -110,10 +127,9 @@ def attention_values(rng: np.random.Generator, kind: str, shape: tuple[int, ...]
         keys = shape[-2]
         return x + np.where(np.arange(keys) < (keys + 1) // 2, V_OFFSET, -V_OFFSET)[:, None]
     if kind == SINK and role == "q":
-        return x + np.linspace(0.0, 1.0, shape[-2])[:, None]
+        return x + sink_margins(shape[-2])[:, None]
     if kind == SINK and role == "k":
-        # Along the all-ones direction, which each query's component above scales.
-        x[..., 0, :] += SINK_GAP / np.sqrt(shape[-1])
+        x[..., 0, :] += sink_key(shape[-1])
         return x
     if kind == "ties" and role == "k":
         # Keys equal in pairs (2j, 2j+1): exact logit ties everywhere, across block edges too
