@@ -41,7 +41,7 @@ SHAPES = (
     (1, 8, 5, 2, 2, 8),  # T > S: under top-left causal the rows past S see every key
     (2, 1, 7, 4, 1, 16),  # one query token (decode), one kv head
     (1, 136, 128, 2, 1, 64),  # the flash kernel's own tiles (no padding; its causal path), T > S
-    (1, 16, 2 * S.LONG_REDUCTION, 2, 1, 64),  # a long reduction over the keys
+    (1, 16, 4 * S.LONG_REDUCTION, 2, 1, 64),  # a long reduction over the keys (32 blocks of 128)
 )
 BIAS_LAYOUTS = {"none": None, "full": "BNTS", "per_head": "1NTS", "per_key": "B11S"}
 MASK_LAYOUTS = {"none": None, "per_head": "BNTS", "shared": "11TS"}
@@ -53,6 +53,8 @@ TO_HEADS_MAJOR = (0, 2, 1, 3)  # [B, T, N, H] <-> [B, N, T, H]
 # gradients are then rounding noise around a tiny truth (the yardstick thousands of ulps
 # from it), which proves nothing. They are drawn where rows see many keys.
 LARGE_VALUES_MIN_KV_LEN = 128
+# An implementation may sum in blocks: the sink shows its running denominator (strategies.SINK).
+VALUE_KINDS = (*S.VALUE_KINDS, S.SINK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ class DPAParams(Params):
     window: int | tuple[int, int] | None
     q_lengths: tuple[int, ...] | None
     kv_lengths: tuple[int, ...] | None
-    values: str  # an S.VALUE_KINDS distribution
+    values: str  # a VALUE_KINDS distribution
 
     @property
     def sequence_length(self) -> int:
@@ -87,6 +89,10 @@ class DPAParams(Params):
 # two, and 0 and negative ones (logits = scale * q.k + bias: a kernel that folds its mask
 # into a bias it scales hides nothing there).
 SCALES = (None, 0.5, 1.0, 1.7, 0.0, -0.5)
+
+
+def effective_scale(p: DPAParams) -> float:
+    return 1.0 / math.sqrt(p.head_dim) if p.scale is None else p.scale
 
 
 def hides_keys(p) -> bool:
@@ -107,7 +113,7 @@ def dpa_cases(draw) -> Case[DPAParams]:
         head_dim=h, scale=draw(st.sampled_from(SCALES)), bias=draw(st.sampled_from(tuple(BIAS_LAYOUTS))),
         mask=mask, mask_empties_rows=mask != "none" and draw(st.booleans()), is_causal=draw(st.booleans()),
         window=draw(st.sampled_from(WINDOWS)), q_lengths=draw(lengths(t)), kv_lengths=draw(lengths(s)),
-        values=draw(st.sampled_from(S.VALUE_KINDS if s >= LARGE_VALUES_MIN_KV_LEN else ("normal",)))),
+        values=draw(st.sampled_from(VALUE_KINDS if s >= LARGE_VALUES_MIN_KV_LEN else ("normal",)))),
         draw(S.seeds))
     # Where no query row sees two keys, every gradient but dv is 0 by definition and
     # rounding noise in any implementation (di = rowsum(dO * O) against dO . v): against
@@ -233,17 +239,29 @@ class DPASpec(KernelSpec[DPAParams]):
         # P @ V over thousands of keys of v far from 0, in bfloat16: where an accumulator
         # narrower than float32 shows (the convention accumulates in float32).
         long_reduction_offset_values=lambda p: (p.kv_len >= S.LONG_REDUCTION and p.values == "offset"
-                                                and p.dtype == "bfloat16"),
+                                                and p.dtype == "bfloat16" and not hides_keys(p)
+                                                and S.spread_weights(effective_scale(p), p.head_dim)),
+        # The same after a sink, at the scale its margins are drawn for: where a running softmax
+        # denominator narrower than float32 shows.
+        long_reduction_sink=lambda p: (p.kv_len >= 4 * S.LONG_REDUCTION and p.values == S.SINK
+                                       and p.dtype == "bfloat16" and not hides_keys(p)
+                                       and S.sink_scale(effective_scale(p), p.head_dim)),
         decode=lambda p: p.q_len == 1,
         gqa=lambda p: 1 < p.kv_heads < p.q_heads,
         mqa=lambda p: p.kv_heads == 1 < p.q_heads,
         # Off the usual tiles (sequences not multiples of 8 / 128): padding must stay hidden.
         shape_off_tiles=_off_tiles,
-    ) + SCALE.classes + PAIRS + values_by_dtype() + bugclasses.presences(
+    ) + SCALE.classes + PAIRS + values_by_dtype(VALUE_KINDS) + bugclasses.presences(
         bias=lambda p: p.bias != "none", mask=lambda p: p.mask != "none",
         query_seq_lengths=lambda p: p.q_lengths is not None, key_value_seq_lengths=lambda p: p.kv_lengths is not None,
         local_window_size=lambda p: p.window is not None)
     examples = {"xla": 8, "interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
+    # Rows that see every key with the weights their values are drawn for: a rare draw.
+    explicit_examples = {name: Case(FAMILY, DPAParams(
+        dtype="bfloat16", batch=1, q_len=16, kv_len=4 * S.LONG_REDUCTION, q_heads=2, kv_heads=1, head_dim=64,
+        scale=None, bias="none", mask="none", mask_empties_rows=False, is_causal=False, window=None,
+        q_lengths=None, kv_lengths=None, values=values), 0)
+        for name, values in (("long_reduction_offset_values", "offset"), ("long_reduction_sink", S.SINK))}
     contracts = (FLOAT32_ACCUMULATION,
                  Contract("unseeing_rows_and_padding", "jax.nn's convention: a row that sees no key outputs the mean "
                           "of v over all keys with that mean's gradient; rows past a query length output 0 and take no "
@@ -302,7 +320,7 @@ class DPASpec(KernelSpec[DPAParams]):
 
     def _semantics(self, case, inputs):
         p = case.params
-        return dict(scale=1.0 / math.sqrt(p.head_dim) if p.scale is None else p.scale, bias=inputs.get("bias"),
+        return dict(scale=effective_scale(p), bias=inputs.get("bias"),
                     visible=visibility(p, inputs.get("mask")), masked_rows="mean_of_v")
 
     def oracle(self, case, inputs):
