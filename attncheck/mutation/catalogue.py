@@ -15,6 +15,16 @@ RAGGED = "kernels/ragged_paged_attention.py"
 FFN = "kernels/blockwise_ffn.py"
 RING = "kernels/ring_attention.py"
 
+
+
+def narrowed_sum(id: str, family: str, file: str, line: str, *, narrow: str, wide: str, description: str) -> Mutant:
+    """A running sum rounded to a narrower dtype at each update: the statement ``line``
+    (``target = expression``) becomes ``target = (expression).astype(narrow).astype(wide)``."""
+    target, _, expression = line.rstrip("\n").partition(" = ")
+    return Mutant(id, family, file, find=line, replace=f"{target} = ({expression}).astype({narrow}).astype({wide})\n",
+                  description=description, bug_class="narrow_accumulator")
+
+
 # ---------------------------------------------------------------- flash attention
 # Masking and causal alignment (shared _masked_logits: forward and both backward kernels).
 FLASH_MASKING = [
@@ -82,18 +92,16 @@ FLASH_SOFTMAX = [
            replace="        acc_next = acc_prev + pv\n",
            description="accumulator not rescaled by alpha when the running max grows",
            bug_class="missing_alpha_rescale"),
-    Mutant("fa-acc-in-value-dtype", "flash_attention", FLASH,
-           find="        acc_next = _lanes_to(alpha, head_dim) * acc_prev + pv\n",
-           replace="        acc_next = (_lanes_to(alpha, head_dim) * acc_prev + pv).astype(v.dtype).astype(jnp.float32)\n",
-           description="the running P @ V accumulator held in the value dtype between kv blocks (bfloat16 for "
-                       "bfloat16 values): exact to rounding over a few blocks",
-           bug_class="narrow_accumulator"),
-    Mutant("fa-l-in-value-dtype", "flash_attention", FLASH,
-           find="        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
-           replace="        l_next = (alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)).astype(v.dtype).astype(jnp.float32)\n",
-           description="the running softmax denominator held in the value dtype between kv blocks (bfloat16 for "
-                       "bfloat16 values): exact to rounding unless one key outweighs the blocks after it",
-           bug_class="narrow_accumulator"),
+    narrowed_sum("fa-acc-in-value-dtype", "flash_attention", FLASH,
+                 "        acc_next = _lanes_to(alpha, head_dim) * acc_prev + pv\n",
+                 narrow="v.dtype", wide="jnp.float32",
+                 description="the running P @ V accumulator held in the value dtype between kv blocks (bfloat16 for "
+                             "bfloat16 values): exact to rounding over a few blocks"),
+    narrowed_sum("fa-l-in-value-dtype", "flash_attention", FLASH,
+                 "        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
+                 narrow="v.dtype", wide="jnp.float32",
+                 description="the running softmax denominator held in the value dtype between kv blocks (bfloat16 for "
+                             "bfloat16 values): exact to rounding unless one key outweighs the blocks after it"),
     Mutant("fa-l-alpha-missing", "flash_attention", FLASH,
            find="        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
            replace="        l_next = l_prev + jnp.sum(p, axis=1, keepdims=True)\n",
@@ -283,19 +291,16 @@ RAGGED_SOFTMAX = [
            replace="      acc_ref[h] = acc_ref[h] + pv\n",
            description="accumulator not rescaled by alpha between kv blocks",
            bug_class="missing_alpha_rescale"),
-    Mutant("rpa-acc-in-value-dtype", "ragged_paged_attention", RAGGED,
-           find="      acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv\n",
-           replace="      acc_ref[h] = (acc_ref[h] * alpha[:, :1] + pv).astype(q_ref.dtype).astype(jnp.float32)\n",
-           description="the running P @ V accumulator held in the query dtype between kv blocks (bfloat16 "
-                       "for bfloat16 queries): exact to rounding over a few blocks",
-           bug_class="narrow_accumulator"),
-    Mutant("rpa-l-in-value-dtype", "ragged_paged_attention", RAGGED,
-           find="      l_ref[h] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
-           replace="      l_ref[h] = (alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)).astype(q_ref.dtype)"
-                   ".astype(jnp.float32)\n",
-           description="the running softmax denominator held in the query dtype between kv blocks (bfloat16 for "
-                       "bfloat16 queries): exact to rounding unless one key outweighs the blocks after it",
-           bug_class="narrow_accumulator"),
+    narrowed_sum("rpa-acc-in-value-dtype", "ragged_paged_attention", RAGGED,
+                 "      acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv\n",
+                 narrow="q_ref.dtype", wide="jnp.float32",
+                 description="the running P @ V accumulator held in the query dtype between kv blocks (bfloat16 "
+                             "for bfloat16 queries): exact to rounding over a few blocks"),
+    narrowed_sum("rpa-l-in-value-dtype", "ragged_paged_attention", RAGGED,
+                 "      l_ref[h] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
+                 narrow="q_ref.dtype", wide="jnp.float32",
+                 description="the running softmax denominator held in the query dtype between kv blocks (bfloat16 for "
+                             "bfloat16 queries): exact to rounding unless one key outweighs the blocks after it"),
     Mutant("rpa-l-alpha-missing", "ragged_paged_attention", RAGGED,
            find="      l_ref[h] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
            replace="      l_ref[h] = l_prev + jnp.sum(probs, axis=1, keepdims=True)\n",
@@ -450,20 +455,18 @@ RING_MUTANTS = [
            replace="    di = jnp.sum(g.astype(_ACC_DTYPE) * out.astype(q.dtype).astype(_ACC_DTYPE), axis=-1)\n",
            description="backward's di = rowsum(dO * O) from the output rounded to q.dtype (bfloat16 loses dq, dk)",
            bug_class="early_bf16_cast"),
-    Mutant("ring-l-in-value-dtype", "ring_attention", RING,
-           find="    l = l * alpha + p.sum(axis=-1)\n",
-           replace="    l = (l * alpha + p.sum(axis=-1)).astype(v_c.dtype).astype(_ACC_DTYPE)\n",
-           description="the running softmax denominator held in the compute dtype between key chunks and ring steps "
-                       "(bfloat16 for bfloat16 inputs without float32_logits): exact to rounding unless one key "
-                       "outweighs the chunks after it",
-           bug_class="narrow_accumulator"),
-    Mutant("ring-acc-in-value-dtype", "ring_attention", RING,
-           find="    acc = acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", p_dropped.astype(v_c.dtype), v_c)\n",
-           replace="    acc = (acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", p_dropped.astype(v_c.dtype), v_c)"
-                   ").astype(v_c.dtype).astype(_ACC_DTYPE)\n",
-           description="the running P @ V accumulator held in the compute dtype between key chunks and ring steps "
-                       "(bfloat16 for bfloat16 inputs without float32_logits): exact to rounding over a few chunks",
-           bug_class="narrow_accumulator"),
+    narrowed_sum("ring-l-in-value-dtype", "ring_attention", RING,
+                 "    l = l * alpha + p.sum(axis=-1)\n",
+                 narrow="v_c.dtype", wide="_ACC_DTYPE",
+                 description="the running softmax denominator held in the compute dtype between key chunks and "
+                             "ring steps (bfloat16 for bfloat16 inputs without float32_logits): exact to rounding "
+                             "unless one key outweighs the chunks after it"),
+    narrowed_sum("ring-acc-in-value-dtype", "ring_attention", RING,
+                 "    acc = acc * alpha[..., None] + _einsum(cfg, \"bqhk,bkhd->bqhd\", "
+                 "p_dropped.astype(v_c.dtype), v_c)\n",
+                 narrow="v_c.dtype", wide="_ACC_DTYPE",
+                 description="the running P @ V accumulator held in the compute dtype between key chunks and ring steps "
+                             "(bfloat16 for bfloat16 inputs without float32_logits): exact to rounding over a few chunks"),
     # Shows only on a row that sees no key at all (its running max stays -inf).
     Mutant("ring-masked-row-nan", "ring_attention", RING,
            find="    m_shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)\n",
