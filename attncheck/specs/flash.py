@@ -172,6 +172,17 @@ def sees_sink(p: FlashParams) -> bool:
     return sees_every_key(p) and S.sink_scale(p.sm_scale, p.head_dim)
 
 
+def _long_reduction_example(values: str, kv_len: int, k_major: int) -> Case[FlashParams]:
+    """One bfloat16 query block over kv_len keys in 128-key sub-blocks of k_major-key grid
+    steps, every pass tiled alike, every row seeing every key at the default scale."""
+    return Case(FAMILY, FlashParams(
+        dtype="bfloat16", batch=1, heads=1, q_len=128, kv_len=kv_len, head_dim=128, causal=False,
+        sm_scale=128 ** -0.5, bias=False, segments="none", segment_starts=(), values=values,
+        blocks=(("block_q", 128), ("block_k_major", k_major), ("block_k", 128), ("block_b", 1),
+                ("block_q_major_dkv", 128), ("block_k_major_dkv", k_major), ("block_k_dkv", 128),
+                ("block_q_dkv", 128), ("block_k_major_dq", k_major), ("block_k_dq", 128), ("block_q_dq", 128))), 0)
+
+
 def causal_skips_in_every_pass(p: FlashParams) -> bool:
     """Some (q tile, kv block) step lies wholly above the diagonal in each pass: the
     kernel skips it, and every operand and output index map must agree with the skip
@@ -376,19 +387,9 @@ class FlashSpec(KernelSpec[FlashParams]):
         # Every condition of the class at once is a rare draw (about 1 in 5000). 4096 keys (32 kv
         # blocks): a bfloat16 accumulator's out budget is 2.8-4.3 there against 1.4-2.0 at 2048
         # (5 seeds each; the float32 one 0.07-0.12 at both).
-        "long_reduction_offset_values": Case(FAMILY, FlashParams(
-            dtype="bfloat16", batch=1, heads=1, q_len=128, kv_len=4 * S.LONG_REDUCTION, head_dim=128, causal=False,
-            sm_scale=128 ** -0.5, bias=False, segments="none", segment_starts=(), values="offset",
-            blocks=(("block_q", 128), ("block_k_major", 512), ("block_k", 128), ("block_b", 1),
-                    ("block_q_major_dkv", 128), ("block_k_major_dkv", 512), ("block_k_dkv", 128), ("block_q_dkv", 128),
-                    ("block_k_major_dq", 512), ("block_k_dq", 128), ("block_q_dq", 128))), 0),
+        "long_reduction_offset_values": _long_reduction_example("offset", 4 * S.LONG_REDUCTION, 512),
         # As rare. 8192 keys: 64 kv blocks.
-        "long_reduction_sink": Case(FAMILY, FlashParams(
-            dtype="bfloat16", batch=1, heads=1, q_len=128, kv_len=8 * S.LONG_REDUCTION, head_dim=128, causal=False,
-            sm_scale=128 ** -0.5, bias=False, segments="none", segment_starts=(), values=S.SINK,
-            blocks=(("block_q", 128), ("block_k_major", 1024), ("block_k", 128), ("block_b", 1),
-                    ("block_q_major_dkv", 128), ("block_k_major_dkv", 1024), ("block_k_dkv", 128),
-                    ("block_q_dkv", 128), ("block_k_major_dq", 1024), ("block_k_dq", 128), ("block_q_dq", 128))), 0)}
+        "long_reduction_sink": _long_reduction_example(S.SINK, 8 * S.LONG_REDUCTION, 1024)}
     contracts = (FLOAT32_ACCUMULATION,
         Contract("absent_segment_rows", "a row that sees no key of its own segment averages v uniformly over the "
                  "causally visible keys of the other segments, with the softmax gradient at those weights, causal "
