@@ -132,11 +132,13 @@ EMULATED_TPU = "TPU v5 lite"
 def tpu_mesh(devices: int = 1, axis: str = "export", device_kind: str = EMULATED_TPU) -> jax.sharding.AbstractMesh:
     """An abstract mesh of ``devices`` TPUs of the emulated generation along ``axis``: what
     Mosaic lowering asks the TPU generation of, without a TPU. A sharded kernel's own
-    ``shard_map`` runs over one of these to be exported (its axis is Auto there: the
-    exported arguments carry no sharding of their own)."""
-    axis_type = jax.sharding.AxisType.Explicit if devices == 1 else jax.sharding.AxisType.Auto
+    ``shard_map`` runs over one of these to be exported. Its axis is Auto: the exported
+    arguments carry no sharding of their own, and under an Explicit axis jax checks every
+    intermediate's sharding against its rank (a kernel that reshapes its cache from 5 to
+    4 dimensions, as tpu-inference's ragged paged attention v3 does, fails to export:
+    "Length of sharding.spec (5) must be equal to aval's ndim (4)")."""
     return jax.sharding.AbstractMesh(
-        (devices,), (axis,), (axis_type,),
+        (devices,), (axis,), (jax.sharding.AxisType.Auto,),
         abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu"))
 
 

@@ -5,8 +5,8 @@ Each patch is scoped to a ``with`` block that leaves jax exactly as it found it 
 
 - ``generation``: ``emulated_tpu(device_kind)``, the TPU generation a backend emulates, for
   jax's kernels that ask ``jax.devices()`` which TPU they run on;
-- ``views``: ``ref_views()``, loads and stores through reshaped, bitcast and transposed
-  refs, and masked stores the interpreter misjudges as out of bounds;
+- ``views``: ``ref_views()``, loads, stores and DMAs through reshaped, bitcast and
+  transposed refs, and masked stores the interpreter misjudges as out of bounds;
 - ``callbacks``: ``host_callbacks()``, the interpreter's host callbacks without jax's move
   of every operand onto a device and back, counted (``InterpretedCalls``: did a kernel run);
 - ``collectives``: ``ordered_collectives()`` with ``in_collective_order(fn)``, every
@@ -24,7 +24,6 @@ import importlib
 # Each name this package exports -> the module that defines it.
 _EXPORTS = {
     "emulated_tpu": "generation",
-    "np_bitcast": "views",
     "ref_views": "views",
     "host_callbacks": "callbacks",
     "InterpretedCalls": "callbacks",

@@ -9,8 +9,14 @@ attention's tuned block sizes: ``tuned_block_sizes.py`` ``get_tpu_version``/
 version must be 4 or higher``. Inside the block, those modules (``DEVICE_KIND_READERS``, and
 any loaded copy of them: a module with jax's ``jax`` and one of ``READER_FUNCTIONS``, such
 as a team's fork of ragged paged attention) see ``jax.devices()`` whose devices report the
-emulated ``device_kind``; their own code runs unchanged. Nothing else in jax is touched (an
-abstract mesh is not entered: it would nest the CPU meshes of ``shard_map`` kernels).
+emulated ``device_kind``; their own code runs unchanged. And ``pltpu.get_tpu_info()``, which
+kernels ask for VMEM capacity (tpu-inference's ragged paged attention v3 does, for its
+default ``vmem_limit_bytes``), answers for the emulated generation where no abstract mesh
+names one: ``jax._src.tpu_info.get_device_kind`` and ``get_num_device_cores`` defer to an
+abstract mesh as before, and otherwise give the emulated kind and one core (what
+``backends.tpu_mesh`` says), and ``get_tpu_info``'s cache is cleared on entry and exit. An
+abstract mesh itself is not entered: it would nest the CPU meshes of ``shard_map``
+kernels.
 """
 
 from __future__ import annotations
@@ -86,15 +92,32 @@ def emulated_tpu(device_kind: str | None) -> Iterator[None]:
         raise ValueError(f"emulated_tpu: device_kind must name a TPU (e.g. 'TPU v5 lite'), got {device_kind!r}")
     import jax
 
+    from jax._src import mesh as mesh_lib
+    from jax._src import tpu_info
+
+    def abstract_device():
+        return mesh_lib.get_abstract_mesh().abstract_device
+
+    def get_device_kind() -> str:
+        return abstract_device().device_kind if abstract_device() else device_kind
+
+    def get_num_device_cores() -> int:
+        return abstract_device().num_cores if abstract_device() else 1
+
     saved = []
     with _lock:
         for module in _readers(jax):
             if hasattr(module, "jax"):
-                saved.append((module, module.jax))
+                saved.append((module, "jax", module.jax))
                 module.jax = _JaxWithEmulatedDevices(jax, device_kind)
+        for name, answer in (("get_device_kind", get_device_kind), ("get_num_device_cores", get_num_device_cores)):
+            saved.append((tpu_info, name, getattr(tpu_info, name)))
+            setattr(tpu_info, name, answer)
+        tpu_info.get_tpu_info.cache_clear()
     try:
         yield
     finally:
         with _lock:
-            for module, original in reversed(saved):
-                module.jax = original
+            for module, name, original in reversed(saved):
+                setattr(module, name, original)
+            tpu_info.get_tpu_info.cache_clear()

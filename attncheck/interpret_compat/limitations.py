@@ -23,17 +23,19 @@ class Limitation:
 
 UNSUPPORTED_PREFIX = "unsupported by interpret mode: "
 
-_VIEW_IN_A_DMA = "where the interpreter takes only indexers (a DMA, a semaphore)"
+_VIEW_IN_A_DMA = "where the interpreter takes only indexers (a semaphore)"
 KNOWN_LIMITATIONS = (
-    # ref_views() covers loads and stores; DMAs and semaphores still reach to_range.
+    # ref_views() covers loads, stores and the two ends of a DMA; semaphores still reach
+    # to_range.
     Limitation(f"ref reshape (ReshapeTransform) {_VIEW_IN_A_DMA}", ("AttributeError",),
                r"'ReshapeTransform' object has no attribute 'indices'"),
     Limitation(f"ref bitcast (BitcastTransform) {_VIEW_IN_A_DMA}", ("AttributeError",),
                r"'BitcastTransform' object has no attribute 'indices'"),
     Limitation(f"ref transpose (TransposeTransform) {_VIEW_IN_A_DMA}", ("AttributeError",),
                r"'TransposeTransform' object has no attribute 'indices'"),
-    Limitation("store through a ref view that is not one strided box", ("NotImplementedError",),
-               r"store through a (bitcast ref|reshaped ref whose elements)"),
+    Limitation("store through a ref view that is not one strided box of whole elements", ("NotImplementedError",),
+               r"store through a (reshaped ref whose elements|reshaped or bitcast ref that writes part|bitcast ref "
+               r"that masks part)"),
     Limitation("sub-byte ref bitcast", ("NotImplementedError",), r"ref bitcast of \w+: sub-byte"),
     # The interpreter's own NotImplementedErrors (interpret_pallas_call.py).
     Limitation("masked load (load_p with mask)", ("NotImplementedError",), r"masked load_p"),

@@ -1,14 +1,16 @@
-"""``ref_views()`` (entered by ``Backend.context``): loads and stores through a ref that
+"""``ref_views()`` (entered by ``Backend.context``): loads, stores and DMAs through a ref that
 was reshaped, bitcast or transposed (``ref.reshape(...)``, ``ref.bitcast(...)``, ``ref.T``),
-which the interpreter's ``get``/``swap`` callbacks reject (``to_range`` reads ``.indices`` of
-every transform: ``AttributeError: 'ReshapeTransform' object has no attribute 'indices'``);
-see ``_view_get``/``_view_swap`` for the exact semantics. It also splits the masked stores
+which the interpreter's ``get``/``swap``/``store`` callbacks reject (``to_range`` reads
+``.indices`` of every transform: ``AttributeError: 'ReshapeTransform' object has no attribute
+'indices'``); a DMA reads its source with ``get`` and writes its destination with ``store``.
+See ``_view_get``/``_view_swap``/``_view_store`` for the exact semantics. It also splits the masked stores
 the interpreter misjudges as out of bounds (``_masked_swap``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -39,28 +41,6 @@ def _bits(dtype) -> int:
     return bits
 
 
-def np_bitcast(x: np.ndarray, dtype) -> np.ndarray:
-    """``ref.bitcast(dtype)`` on values, as ``jax._src.state.utils.bitcast`` defines it (and
-    Mosaic lays it out): a bitwidth change scales the second-minor dimension, consecutive
-    rows packing into one element (row 2a in the low bits of ``out[a]``)."""
-    dtype = np.dtype(dtype)
-    src, dst = _bits(x.dtype), _bits(dtype)
-    if src != dst and x.ndim < 2:
-        raise NotImplementedError("Bitcast 1D ref with bitwidth change is not supported.")
-    if src != dst and x.shape[-2] * src % dst:
-        raise ValueError(f"ref bitcast: second-minor dimension {x.shape[-2]} of {x.dtype} cannot be packed "
-                         f"into {dtype}")
-    if src < dst:
-        ratio = dst // src
-        packed = x.reshape(*x.shape[:-2], x.shape[-2] // ratio, ratio, x.shape[-1]).swapaxes(-1, -2)
-        return np.ascontiguousarray(packed).view(dtype)[..., 0]
-    if src > dst:
-        ratio = src // dst
-        unpacked = np.ascontiguousarray(x).view(dtype).reshape(*x.shape, ratio)
-        return unpacked.swapaxes(-1, -2).reshape(*x.shape[:-2], x.shape[-2] * ratio, x.shape[-1])
-    return np.ascontiguousarray(x).view(dtype)
-
-
 def _static_index(indexer, shape: tuple[int, ...]) -> tuple:
     """An NDIndexer with concrete values as a NumPy index; out-of-bounds raises (what the
     interpreter does under ``out_of_bounds_reads='raise'``, the setting attncheck uses)."""
@@ -82,35 +62,50 @@ def _static_index(indexer, shape: tuple[int, ...]) -> tuple:
     return tuple(index)
 
 
-def _apply(transforms, values: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The transforms after the first view transform, applied to the values of the view and
-    to their positions. ``positions`` has one trailing axis more: the flat positions in the
-    view that each element is made of (several after a packing bitcast)."""
+def _apply(transforms, positions: np.ndarray) -> np.ndarray:
+    """The transforms after the first view transform, applied to the byte positions of the
+    view (shape: the view's + one trailing axis, the bytes each element is made of in order
+    of significance; ``_byte_positions``). A bitcast regroups them as
+    ``jax._src.state.utils.bitcast`` defines it (and Mosaic lays it out): a bitwidth change
+    scales the second-minor dimension, consecutive rows packing into one element (row 2a in
+    the low bits of ``out[a]``)."""
     indexing, types = _state_types()
     for t in transforms:
         if isinstance(t, indexing.NDIndexer):
-            index = _static_index(t, values.shape)
-            values, positions = values[index], positions[index]
+            positions = positions[_static_index(t, positions.shape[:-1])]
         elif isinstance(t, types.ReshapeTransform):
-            values = values.reshape(t.shape)
             positions = positions.reshape(tuple(t.shape) + positions.shape[-1:])
         elif isinstance(t, types.TransposeTransform):
             permutation = tuple(int(p) for p in t.permutation)
-            values = values.transpose(permutation)
-            positions = positions.transpose(permutation + (values.ndim,))
+            positions = positions.transpose(permutation + (positions.ndim - 1,))
         elif isinstance(t, types.BitcastTransform):
-            src, dst = _bits(values.dtype), _bits(t.dtype)
-            values = np_bitcast(values, t.dtype)
+            src, dst = 8 * positions.shape[-1], _bits(t.dtype)
+            if src != dst and positions.ndim < 3:
+                raise NotImplementedError("Bitcast 1D ref with bitwidth change is not supported.")
+            *lead, rows, cols, group = positions.shape
             if src < dst:
                 ratio = dst // src
-                *lead, rows, cols, group = positions.shape
+                if rows % ratio:
+                    raise ValueError(f"ref bitcast: second-minor dimension {rows} of {src}-bit elements cannot be "
+                                     f"packed into {np.dtype(t.dtype)}")
                 positions = np.moveaxis(positions.reshape(*lead, rows // ratio, ratio, cols, group), -3, -2)
                 positions = positions.reshape(*lead, rows // ratio, cols, ratio * group)
             elif src > dst:
-                positions = np.repeat(positions, src // dst, axis=-3)
+                ratio = src // dst
+                positions = np.moveaxis(positions.reshape(*lead, rows, cols, ratio, group // ratio), -2, -3)
+                positions = positions.reshape(*lead, rows * ratio, cols, group // ratio)
         else:
             raise NotImplementedError(f"ref transform {type(t).__name__} after a ref reshape/bitcast/transpose")
-    return values, positions
+    return positions
+
+
+def _result_dtype(transforms, dtype: np.dtype) -> np.dtype:
+    """The dtype of the view after the transforms: the last bitcast's, else the ref's."""
+    _, types = _state_types()
+    for t in transforms:
+        if isinstance(t, types.BitcastTransform):
+            dtype = np.dtype(t.dtype)
+    return dtype
 
 
 def _box(flat: np.ndarray, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
@@ -179,36 +174,100 @@ def _concrete(transforms):
         raise ValueError("Advanced indexers are not supported on TPU") from None
 
 
-def _positions(view_shape) -> np.ndarray:
-    return np.arange(int(np.prod(view_shape)), dtype=np.int64).reshape(tuple(view_shape) + (1,))
+def _byte_positions(view_shape, itemsize: int) -> np.ndarray:
+    """Byte i of element e of the view is at position e * itemsize + i."""
+    flat = np.arange(int(np.prod(view_shape)), dtype=np.int64) * itemsize
+    return (flat[:, None] + np.arange(itemsize)).reshape(tuple(view_shape) + (itemsize,))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Access:
+    """A load or store through a reshaped/bitcast/transposed ref, resolved against the ref
+    after its leading indexers (the view): the strided box of the view that holds every
+    element touched (None when they form none), and where each byte of the accessed value
+    lies in that box."""
+
+    prefix: tuple  # the leading indexers
+    view_shape: tuple[int, ...]
+    dtype: np.dtype  # the ref's
+    result_dtype: np.dtype  # the accessed value's
+    positions: np.ndarray  # the value's shape + (its itemsize,): byte positions in the view
+    box: tuple[slice, ...] | None
+
+    @classmethod
+    def of(cls, memory_space, buffer_id, device_id, local_core_id, prefix, rest) -> _Access:
+        shape, dtype = _buffer_shape(memory_space, buffer_id, device_id, local_core_id)
+        view_shape = _view_shape(prefix, shape)
+        positions = _apply(rest, _byte_positions(view_shape, dtype.itemsize))
+        box = _box(np.unique(positions // dtype.itemsize), view_shape)
+        return cls(prefix, view_shape, dtype, _result_dtype(rest, dtype), positions, box)
+
+    @property
+    def box_shape(self) -> tuple[int, ...]:
+        return tuple(len(range(s.start, s.stop, s.step)) for s in self.box)
+
+    @property
+    def box_indexer(self):
+        return (*self.prefix, _box_indexer(self.box, self.view_shape))
+
+    def box_bytes(self) -> np.ndarray:
+        """The byte positions in the box (C order) of the value's bytes."""
+        itemsize = self.dtype.itemsize
+        coords = np.unravel_index(self.positions // itemsize, self.view_shape)
+        local = tuple((c - s.start) // s.step for c, s in zip(coords, self.box))
+        return np.ravel_multi_index(local, self.box_shape) * itemsize + self.positions % itemsize
+
+    def value_from(self, region: np.ndarray, box_region: bool) -> np.ndarray:
+        """The accessed value, gathered from the box's (or the whole view's) elements."""
+        raw = np.ascontiguousarray(region).view(np.uint8).ravel()
+        picked = raw[self.box_bytes() if box_region else self.positions]
+        return np.ascontiguousarray(picked).view(self.result_dtype).reshape(self.positions.shape[:-1])
+
+    def stored(self, val: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The box's new elements (and mask) for a store of ``val``: the store must write
+        every byte of the box exactly once (a store that writes part of an element, or an
+        element twice, is not supported)."""
+        where = self.box_bytes().ravel()
+        size = int(np.prod(self.box_shape)) * self.dtype.itemsize
+        if where.size != size or np.unique(where).size != size:
+            raise NotImplementedError("store through a reshaped or bitcast ref that writes part of an element of "
+                                      "the ref, or one element twice")
+        new = np.empty(size, np.uint8)
+        new[where] = np.ascontiguousarray(val, self.result_dtype).view(np.uint8).ravel()
+        new = new.view(self.dtype).reshape(self.box_shape)
+        if mask is None:
+            return new, None
+        bytes_mask = np.empty(size, bool)
+        bytes_mask[where] = np.broadcast_to(np.asarray(mask)[..., None], self.positions.shape).ravel()
+        bytes_mask = bytes_mask.reshape(*self.box_shape, self.dtype.itemsize)
+        if np.any(bytes_mask != bytes_mask[..., :1]):
+            raise NotImplementedError("masked store through a bitcast ref that masks part of an element of the ref")
+        return new, bytes_mask[..., 0]
 
 
 def _view_get(original, token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs):
     """A load through a reshaped/bitcast/transposed ref: the elements it touches are read
     from the buffer (one strided box when they form one, which is then all that the
     out-of-bounds and race checks see; else the whole view before the first reshape), and
-    the transforms are applied to them in NumPy."""
+    the value is gathered from their bytes."""
     prefix, rest = _split(_concrete(transforms))
     if not rest:
         return original(token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs)
-    shape, dtype = _buffer_shape(memory_space, buffer_id, device_id, local_core_id)
-    view_shape = _view_shape(prefix, shape)
-    template = np.zeros(view_shape, dtype)
-    _, positions = _apply(rest, template, _positions(view_shape))
-    box = _box(positions.ravel(), view_shape)
-    if box is None:
+    access = _Access.of(memory_space, buffer_id, device_id, local_core_id, prefix, rest)
+    if access.box is None:
         token, view = original(token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs)
     else:
-        token, part = original(token, device_id, local_core_id, memory_space, buffer_id,
-                               (*prefix, _box_indexer(box, view_shape)), *args, **kwargs)
-        # Elements outside the box are never part of the result; a poison value makes any
-        # mistake in that bookkeeping loud.
-        from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+        token, view = original(token, device_id, local_core_id, memory_space, buffer_id, access.box_indexer,
+                               *args, **kwargs)
+    return token, access.value_from(view, access.box is not None)
 
-        view = np.full(view_shape, interpret_utils.get_uninitialized_value(dtype, "nan"), dtype)
-        view[box] = part
-    values, _ = _apply(rest, np.asarray(view), _positions(view_shape))
-    return token, values
+
+def _store_access(memory_space, buffer_id, device_id, local_core_id, prefix, rest) -> _Access:
+    access = _Access.of(memory_space, buffer_id, device_id, local_core_id, prefix, rest)
+    if access.box is None:
+        raise NotImplementedError("store through a reshaped ref whose elements do not form one strided box "
+                                  "of the ref before the reshape")
+    return access
 
 
 def _masked_swap(original, token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask,
@@ -239,51 +298,45 @@ def _masked_swap(original, token, device_id, local_core_id, memory_space, buffer
 
 def _view_swap(original, token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask,
                **kwargs):
-    """A store through a reshaped/transposed ref: exact when the elements it writes form one
-    strided box of the view (then that box is what is written and race-checked); any other
-    store through a view, and any store through a bitcast, raises NotImplementedError."""
-    _, types = _state_types()
+    """A store through a reshaped/bitcast/transposed ref: exact when the elements it writes
+    form one strided box of the view and it writes whole elements (then that box is what is
+    written and race-checked); any other raises NotImplementedError."""
     prefix, rest = _split(_concrete(transforms))
     if not rest:
         return _masked_swap(original, token, device_id, local_core_id, memory_space, buffer_id, prefix, val, mask,
                             **kwargs)
-    if any(isinstance(t, types.BitcastTransform) for t in rest):
-        raise NotImplementedError("store through a bitcast ref (ref.bitcast) is not supported in interpret mode")
-    shape, dtype = _buffer_shape(memory_space, buffer_id, device_id, local_core_id)
-    view_shape = _view_shape(prefix, shape)
-    _, positions = _apply(rest, np.zeros(view_shape, dtype), _positions(view_shape))
-    positions = positions[..., 0]
-    box = _box(positions.ravel(), view_shape)
-    if box is None:
-        raise NotImplementedError("store through a reshaped ref whose elements do not form one strided box "
-                                  "of the ref before the reshape")
-    box_shape = tuple(len(range(s.start, s.stop, s.step)) for s in box)
-    coords = np.unravel_index(positions, view_shape)
-    where = tuple((c - s.start) // s.step for c, s in zip(coords, box))
-    val = np.asarray(val)
-    new = np.empty(box_shape, val.dtype)
-    new[where] = val
-    new_mask = None
-    if mask is not None:
-        new_mask = np.zeros(box_shape, bool)
-        new_mask[where] = np.asarray(mask)
+    access = _store_access(memory_space, buffer_id, device_id, local_core_id, prefix, rest)
+    new, new_mask = access.stored(np.asarray(val), mask)
     token, old = _masked_swap(original, token, device_id, local_core_id, memory_space, buffer_id,
-                              (*prefix, _box_indexer(box, view_shape)), new, new_mask, **kwargs)
-    return token, np.asarray(old)[where]
+                              access.box_indexer, new, new_mask, **kwargs)
+    return token, access.value_from(np.asarray(old), True)
+
+
+def _view_store(original, token, device_id, local_core_id, memory_space, buffer_id, transforms, val, *args,
+                **kwargs):
+    """An unmasked store through a view (the write of a DMA to a reshaped or bitcast ref),
+    as ``_view_swap``."""
+    prefix, rest = _split(_concrete(transforms))
+    if not rest:
+        return original(token, device_id, local_core_id, memory_space, buffer_id, transforms, val, *args, **kwargs)
+    access = _store_access(memory_space, buffer_id, device_id, local_core_id, prefix, rest)
+    new, _ = access.stored(np.asarray(val), None)
+    return original(token, device_id, local_core_id, memory_space, buffer_id, access.box_indexer, new, *args,
+                    **kwargs)
 
 
 @contextlib.contextmanager
 def ref_views() -> Iterator[None]:
-    """Within the block, the TPU interpreter's loads and stores accept reshaped, bitcast
-    and transposed refs (see ``_view_get``/``_view_swap``). Re-entrant; the interpreter's
+    """Within the block, the TPU interpreter's loads, stores and DMAs accept reshaped,
+    bitcast and transposed refs (see ``_view_get``/``_view_swap``/``_view_store``). Re-entrant; the interpreter's
     own functions are back in place when the outermost block exits. Kernels traced inside
     keep the wrapper in their compiled callbacks (it defers to the original for plain
     indexers)."""
     ipc = _interpreter()
 
     def install():
-        originals = (ipc.get, ipc.swap)
-        get_impl, swap_impl = (f.__wrapped__ for f in originals)
+        originals = (ipc.get, ipc.swap, ipc.store)
+        get_impl, swap_impl, store_impl = (f.__wrapped__ for f in originals)
 
         def get(*args, **kwargs):
             return _view_get(get_impl, *args, **kwargs)
@@ -291,12 +344,15 @@ def ref_views() -> Iterator[None]:
         def swap(*args, **kwargs):
             return _view_swap(swap_impl, *args, **kwargs)
 
+        def store(*args, **kwargs):
+            return _view_store(store_impl, *args, **kwargs)
+
         # One fail_on_exception around the whole access, as around the originals: it
         # records the failure for the other simulated cores exactly once.
-        ipc.get, ipc.swap = ipc.fail_on_exception(get), ipc.fail_on_exception(swap)
+        ipc.get, ipc.swap, ipc.store = (ipc.fail_on_exception(f) for f in (get, swap, store))
 
         def undo():
-            ipc.get, ipc.swap = originals
+            ipc.get, ipc.swap, ipc.store = originals
         return undo
 
     with _installed("ref_views", install):

@@ -149,7 +149,7 @@ def test_the_interpreter_alone_rejects_a_ref_reshape():
         run_interpret(odd_rows_via_reshape, OUT, X, views=False)
     assert ic.interpreter_limitation(info.value) == (
         "unsupported by interpret mode: ref reshape (ReshapeTransform) where the interpreter takes only "
-        "indexers (a DMA, a semaphore)")
+        "indexers (a semaphore)")
 
 
 def test_a_reshaped_read_matches_numpy_and_the_kernel_without_reshape():
@@ -197,18 +197,117 @@ def test_a_bitcast_read_packs_rows_as_jax_defines_it():
     np.testing.assert_array_equal(low, kv.reshape(16, 128)[2::4])
 
 
-@pytest.mark.parametrize("src, dst, shape", [
+BITCASTS = pytest.mark.parametrize("src, dst, shape", [
     (ml_dtypes.bfloat16, np.uint32, (2, 8, 128)), (np.uint32, ml_dtypes.bfloat16, (4, 128)),
     (np.int8, np.uint32, (8, 128)), (np.uint32, np.int8, (2, 128)), (ml_dtypes.float8_e4m3fn, np.int8, (4, 128)),
     (np.float32, np.int32, (8, 128))])
-def test_np_bitcast_equals_jaxs_ref_bitcast_semantics(src, dst, shape):
+
+
+def _bitcast(x, dtype) -> np.ndarray:
     from jax._src.state import utils as state_utils
 
+    return np.array(state_utils.bitcast(jnp.asarray(x), dtype))
+
+
+def _bits_of(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.uint8)
+
+
+@BITCASTS
+def test_a_read_through_a_bitcast_ref_equals_jaxs_bitcast(src, dst, shape):
     x = np.random.default_rng(0).integers(0, 120, size=shape).astype(src)
-    want = np.asarray(state_utils.bitcast(jnp.asarray(x), dst))
-    got = ic.np_bitcast(x, dst)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    want = _bitcast(x, dst)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref.bitcast(dst)[...]
+
+    got = run_interpret(kernel, jax.ShapeDtypeStruct(want.shape, dst), x)
+    np.testing.assert_array_equal(_bits_of(got), _bits_of(want))
+
+
+@BITCASTS
+def test_a_store_through_a_bitcast_ref_writes_jaxs_bitcast(src, dst, shape):
+    """RPA v3 stores its output block through ``bo_ref.bitcast(jnp.int32)``: the bytes
+    written are those of jax's bitcast of the stored value."""
+    x = np.random.default_rng(1).integers(0, 120, size=shape).astype(src)
+    want = _bitcast(x, dst)
+
+    def kernel(x_ref, o_ref):
+        o_ref.bitcast(src)[...] = x_ref[...]
+
+    got = run_interpret(kernel, jax.ShapeDtypeStruct(want.shape, dst), x)
+    np.testing.assert_array_equal(_bits_of(got), _bits_of(want))
+
+
+def test_a_masked_store_through_a_bitcast_ref_writes_only_the_masked_words():
+    x = (np.arange(8 * 128) % 97).astype(ml_dtypes.bfloat16).reshape(8, 128)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.zeros(o_ref.shape, jnp.uint32)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (4, 128), 0)
+        pltpu.store(o_ref.bitcast(ml_dtypes.bfloat16).bitcast(jnp.uint32), x_ref.bitcast(jnp.uint32)[...],
+                    mask=rows % 2 == 1)
+
+    got = run_interpret(kernel, jax.ShapeDtypeStruct((4, 128), jnp.uint32), x)
+    want = _bitcast(x, np.uint32)
+    want[0::2] = 0
+    np.testing.assert_array_equal(got, want)
+
+
+def _copy_a_page_through_reshaped_refs(x_hbm, o_hbm, buf, sem):
+    """RPA v3's kv-cache DMAs: HBM (pages, page, ...) reshaped to (pages * page, ...), one
+    page's tokens copied to VMEM and back to another page."""
+    tokens = x_hbm.shape[0] * x_hbm.shape[1]
+    src = x_hbm.reshape(tokens, *x_hbm.shape[2:]).at[pl.ds(0, 16)]
+    dst = o_hbm.reshape(tokens, *o_hbm.shape[2:]).at[pl.ds(16, 16)]
+    for copy in (pltpu.make_async_copy(src, buf, sem), pltpu.make_async_copy(buf, dst, sem)):
+        copy.start()
+        copy.wait()
+
+
+def _paged_copy(x):
+    return pl.pallas_call(_copy_a_page_through_reshaped_refs, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+                          out_specs=pl.BlockSpec(memory_space=pltpu.HBM),
+                          scratch_shapes=[pltpu.VMEM((16,) + x.shape[2:], x.dtype), pltpu.SemaphoreType.DMA(())],
+                          input_output_aliases={0: 0})(x)
+
+
+PAGES = np.arange(8 * 16 * 2 * 128, dtype=np.float32).reshape(8, 16, 2, 128)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "interpret-hazards"])
+def test_a_dma_from_and_to_reshaped_refs_copies_exactly_its_elements(backend):
+    with backends.BACKENDS[backend].context(seed=0):
+        got = np.asarray(_paged_copy(PAGES))
+    want = PAGES.copy()
+    want[1] = PAGES[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tpu_lower_exports_a_kernel_that_reshapes_its_refs():
+    """Under an Explicit mesh axis jax checks each reshaped ref's sharding against its rank
+    ("Length of sharding.spec (4) must be equal to aval's ndim (3)"); the abstract mesh of
+    tpu-lower has an Auto axis."""
+    exported = backends.export_for_tpu(_paged_copy, PAGES)
+    assert "tpu_custom_call" in exported.mlir_module()
+    explicit = jax.sharding.AbstractMesh((1,), ("export",), (jax.sharding.AxisType.Explicit,),
+                                         abstract_device=backends.tpu_mesh().abstract_device)
+    with pytest.raises(Exception, match="sharding.spec"):
+        backends.export_for_tpu(_paged_copy, PAGES, mesh=explicit)
+
+
+def test_emulated_tpu_answers_pltpu_get_tpu_info_and_is_undone_on_exit():
+    """RPA v3 asks ``pltpu.get_tpu_info()`` for its default VMEM limit."""
+    with pytest.raises(ValueError, match="Unsupported TPU device kind: cpu"):
+        pltpu.get_tpu_info()
+    with ic.emulated_tpu("TPU v5 lite"):
+        info = pltpu.get_tpu_info()
+        assert (info.generation, info.num_cores, info.vmem_capacity_bytes) == (5, 1, 128 * 1024 * 1024)
+        with jax.sharding.use_abstract_mesh(backends.tpu_mesh(device_kind="TPU v6 lite")):
+            assert pltpu.get_tpu_info().generation == 6  # an abstract mesh still answers first
+    with pytest.raises(ValueError, match="Unsupported TPU device kind: cpu"):
+        pltpu.get_tpu_info()
 
 
 def test_a_store_through_a_reshaped_ref_writes_exactly_its_elements():
@@ -231,7 +330,7 @@ def test_a_store_that_is_no_box_is_named_as_unsupported():
     with pytest.raises(Exception) as info:
         run_interpret(kernel, jax.ShapeDtypeStruct((2, 8, 128), jnp.float32), np.ones((8, 128), np.float32))
     assert ic.interpreter_limitation(info.value) == (
-        "unsupported by interpret mode: store through a ref view that is not one strided box")
+        "unsupported by interpret mode: store through a ref view that is not one strided box of whole elements")
 
 
 def test_an_out_of_bounds_index_after_a_reshape_raises():
@@ -349,15 +448,16 @@ CALLBACK = "INTERNAL: CpuCallback error calling callback: Traceback (most recent
 
 @pytest.mark.parametrize("exc, expected", [
     (JaxRuntimeError(CALLBACK + "AttributeError: 'BitcastTransform' object has no attribute 'indices'"),
-     "ref bitcast (BitcastTransform) where the interpreter takes only indexers (a DMA, a semaphore)"),
+     "ref bitcast (BitcastTransform) where the interpreter takes only indexers (a semaphore)"),
     (NotImplementedError("TPU version must be 4 or higher."), "TPU generation query outside a TPU"),
     (ValueError("Unsupported TPU device kind: cpu. If you are not running"), "TPU generation query outside a TPU"),
     (JaxRuntimeError(CALLBACK + "NotImplementedError: masked load_p"), "masked load (load_p with mask)"),
     (NotImplementedError("run_scoped_p with collective axes is not supported"), "run_scoped with collective axes"),
     (NotImplementedError("Non-decrementing wait is not supported."), "non-decrementing semaphore wait"),
     (NotImplementedError("Unsupported memory space: MemorySpace.X"), "a memory space the interpreter does not model"),
-    (JaxRuntimeError(CALLBACK + "NotImplementedError: store through a bitcast ref (ref.bitcast) is not supported"),
-     "store through a ref view that is not one strided box"),
+    (JaxRuntimeError(CALLBACK + "NotImplementedError: store through a reshaped or bitcast ref that writes part of "
+                                "an element of the ref, or one element twice"),
+     "store through a ref view that is not one strided box of whole elements"),
 ])
 def test_known_limitations_are_named_in_one_line(exc, expected):
     assert ic.interpreter_limitation(exc) == ic.UNSUPPORTED_PREFIX + expected
@@ -382,7 +482,7 @@ def test_a_kernel_error_is_not_a_limitation_and_keeps_its_own_line():
             raise RuntimeError("kernel failed") from inner
     except RuntimeError as outer:
         assert ic.interpreter_limitation(outer).endswith("ref reshape (ReshapeTransform) where the interpreter "
-                                                         "takes only indexers (a DMA, a semaphore)")
+                                                         "takes only indexers (a semaphore)")
 
 
 def report_record(case, backend, reason, outcome="error"):
@@ -424,7 +524,7 @@ def test_the_check_records_a_limitation_and_a_callback_error_as_one_line():
     reshape = JaxRuntimeError(CALLBACK + "AttributeError: 'ReshapeTransform' object has no attribute 'indices'")
     record, = check_raising(reshape, "interpret").records
     assert record.reason == ic.UNSUPPORTED_PREFIX + (
-        "ref reshape (ReshapeTransform) where the interpreter takes only indexers (a DMA, a semaphore)")
+        "ref reshape (ReshapeTransform) where the interpreter takes only indexers (a semaphore)")
     assert "CpuCallback" in record.traceback  # the trace is kept, out of the reason
     assert record.backend_settings["emulated_tpu"] == "TPU v5 lite"
     out_of_bounds = JaxRuntimeError(CALLBACK + "IndexError: Out-of-bounds read of (0 0 hbm 101)")
