@@ -211,10 +211,10 @@ def _error(base: CaseRun, direction: str, exc: BaseException, timings: dict, *, 
 
 # ------------------------------------------------------------------ judging
 def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.ndarray, *, dtype, care,
-          timings: dict, exact: Callable[[], np.ndarray] | None = None) -> Record:
+          timings: dict, exact: Callable[[], np.ndarray] | None = None, copied: bool = False) -> Record:
     """One direction's record: the tolerance policy, the dtype rule, and the refusal of a
     tolerance built on a broken yardstick (``exact``: the yardstick computed in float64,
-    asked for only then). Whatever the kernel returned (another shape, a list, no array at
+    asked for only then; ``copied``: the direction is compared exactly). Whatever the kernel returned (another shape, a list, no array at
     all) ends in a record: another tree or shape than the oracle's is an error in chex's
     words (``attncheck.structure``), before anything is compared."""
     start = time.perf_counter()
@@ -223,7 +223,7 @@ def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.n
         return Record(**dataclasses.asdict(base), direction=direction, outcome="error", reason=wrong,
                       timings=dict(timings, compare_s=time.perf_counter() - start))
     try:
-        cmp = numerics.compare(got, truth, reference, dtype=dtype, direction=direction, care=care)
+        cmp = numerics.compare(got, truth, reference, dtype=dtype, direction=direction, care=care, exact=copied)
         delivered = np.asarray(got).dtype
     except Exception as exc:  # noqa: BLE001 - what the kernel returned cannot be compared
         return _error(base, direction, exc, timings)
@@ -332,9 +332,9 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
             continue
         record = judge(base, direction, got[direction], truth[direction], reference[direction],
                        dtype=dtypes[direction], care=strict.get(direction), timings=timings,
-                       exact=lambda d=direction: exact()[d])
+                       exact=lambda d=direction: exact()[d], copied=direction in spec.exact_directions)
         record = deviating.mark(record, got[direction], truth[direction], reference[direction], dtypes[direction],
-                                care.get(direction))
+                                care.get(direction), copied=direction in spec.exact_directions)
         if record.failing and record.metrics is not None:
             record = _contracts_broken(record, spec, case, inputs, got[direction], truth[direction],
                                        reference[direction], dtypes[direction], strict.get(direction))
@@ -400,7 +400,7 @@ class Deviating:
                 dropped[direction] = mask if direction not in dropped else np.logical_or(dropped[direction], mask)
         return _without(care, dropped)
 
-    def mark(self, record: Record, got, truth, reference, dtype, care) -> Record:
+    def mark(self, record: Record, got, truth, reference, dtype, care, *, copied: bool = False) -> Record:
         """The record with, for each deviation, whether it shows in this comparison; a
         failure of a case that a whole-case deviation may touch is expected."""
         if not self.parts and not self.whole:
@@ -412,7 +412,7 @@ class Deviating:
                 scope = mask if care is None else np.logical_and(care, mask)
                 try:
                     shows[entry] = not numerics.compare(got, truth, reference, dtype=dtype, direction=record.direction,
-                                                        care=scope).passed
+                                                        care=scope, exact=copied).passed
                 except Exception:  # noqa: BLE001 - what the kernel returned cannot be compared: it shows
                     shows[entry] = True
         shows.update(dict.fromkeys(self.whole, not record.passed))
@@ -431,7 +431,8 @@ def _contracts_broken(record: Record, spec: KernelSpec, case: Case, inputs, got,
             continue
         scope = _without({"d": care}, {"d": elements})["d"]
         try:
-            if numerics.compare(got, truth, reference, dtype=dtype, direction=record.direction, care=scope).passed:
+            if numerics.compare(got, truth, reference, dtype=dtype, direction=record.direction, care=scope,
+                                exact=record.direction in spec.exact_directions).passed:
                 broken.append(contract.name)
         except Exception:  # noqa: BLE001 - not comparable without them either: nothing to say
             continue

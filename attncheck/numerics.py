@@ -14,6 +14,10 @@ reduction over the sequence, whose order differs legitimately between implementa
 A is a floor of a few ulps of the *output* dtype at the oracle's magnitude, so that a
 yardstick that happens to be exact (err_y == 0) cannot make the rule impossible to meet.
 Nothing here is tuned per test: a case that needs a wider tolerance is a finding.
+
+A direction that is a copy, not a computation (a KV cache the kernel writes new tokens
+into), is compared exactly (``exact=True``): R = A = 0, every element equal to the oracle's
+and NaN where it has NaN.
 """
 
 from __future__ import annotations
@@ -118,14 +122,14 @@ def distance(values, oracle: np.ndarray, where=None) -> float:
     return float(np.max(difference[np.isfinite(difference)], initial=0.0))
 
 
-def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> Comparison:
+def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None, exact: bool = False) -> Comparison:
     """Judge `kernel` (any float dtype) against `oracle` (float64) using the `yardstick`.
 
     `yardstick` is one array or a tuple of them (the same naive computation summed in
     several orders): its error is the largest of theirs. `dtype` is the dtype the kernel's
     output is delivered in (ulps are counted in it); `care` is an optional boolean mask
     broadcastable to the arrays: False marks don't-care elements (padding rows) that are
-    excluded from every metric.
+    excluded from every metric; ``exact``: no tolerance at all (a copied direction).
     """
     kernel = np.asarray(kernel, dtype=np.float64)
     oracle = np.asarray(oracle, dtype=np.float64)
@@ -137,10 +141,10 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
         care = np.ones(oracle.shape, dtype=bool)
     care = np.broadcast_to(np.asarray(care, dtype=bool), oracle.shape)
     k, o = kernel[care], oracle[care]
-    r = r_for_direction(direction)
+    r = 0.0 if exact else r_for_direction(direction)
     finite_o = o[np.isfinite(o)]
     scale = float(np.max(np.abs(finite_o))) if finite_o.size else 0.0
-    a = FLOOR_ULPS * dtype_eps(dtype) * scale + dtype_tiny(dtype)
+    a = 0.0 if exact else FLOOR_ULPS * dtype_eps(dtype) * scale + dtype_tiny(dtype)
 
     mismatch = _nonfinite_mismatch(kernel, oracle, care)
     both_finite = np.isfinite(k) & np.isfinite(o)
@@ -167,6 +171,11 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None) -> C
 
     if mismatch:
         passed, reason, budget = False, mismatch, math.inf
+    elif exact:
+        differing = int(np.count_nonzero(abs_err))
+        passed, budget = differing == 0, (0.0 if differing == 0 else math.inf)
+        reason = "ok" if passed else (f"{differing} of {abs_err.size} elements differ from the oracle (max abs "
+                                      f"{max_abs:.3g}); {direction} is compared exactly")
     else:
         budget = max_abs / allowed
         passed = max_abs <= allowed

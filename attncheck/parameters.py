@@ -92,6 +92,7 @@ def describe(name: str, value: Any, out: dict[str, str], depth: int = 0) -> None
         for field in value._fields:
             describe(f"{name}.{field}", getattr(value, field), out, depth + 1)
     elif depth < 3 and isinstance(value, (list, tuple)) and len(value) <= 16:
+        out[name] = f"<{type(value).__name__}>"  # given, where it may be None
         out[f"{name}.len"] = str(len(value))
         for i, item in enumerate(value):
             describe(f"{name}[{i}]", item, out, depth + 1)

@@ -227,7 +227,8 @@ def element_budgets(kernel, oracle, allowed: float, care=None) -> np.ndarray:
     bad = ~np.isfinite(err)
     if bad.any():
         finite_k, finite_o = np.isfinite(k), np.isfinite(o)
-        same = (np.isnan(k) & np.isnan(o)) | (~finite_k & ~finite_o & (k == o))
+        # Equal elements are 0 whatever the allowance (an exact direction allows 0).
+        same = (np.isnan(k) & np.isnan(o)) | (k == o)
         # Both finite but the quotient overflowed (allowed underflowed): as bad as it gets
         # short of a mismatch.
         err[bad] = np.where(same[bad], 0.0, np.where((finite_k & finite_o)[bad], np.finfo(np.float64).max, MISMATCH))

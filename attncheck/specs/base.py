@@ -94,7 +94,10 @@ class KernelSpec(abc.ABC, Generic[P]):
     - ``directions``: each direction the family judges, in the order its kernel delivers
       them (the output, then the gradients) -> the names of its array's axes (None:
       unnamed); each is delivered in the case's ``dtype`` unless ``output_dtypes`` says
-      otherwise.
+      otherwise;
+    - ``exact_directions``: the directions that are copies, not computations (a KV cache
+      the kernel writes new tokens into), compared with no tolerance
+      (``numerics.compare(exact=True)``).
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -112,6 +115,7 @@ class KernelSpec(abc.ABC, Generic[P]):
     expectations: ClassVar[tuple[Shipped, ...]] = ()
     explicit_examples: ClassVar[Mapping[str, Case]] = types.MappingProxyType({})
     directions: ClassVar[Mapping[str, tuple[str, ...] | None]] = types.MappingProxyType({})
+    exact_directions: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self) -> None:
         from attncheck.backends import BACKENDS
@@ -238,6 +242,23 @@ class KernelSpec(abc.ABC, Generic[P]):
         is exercised on every run. The message naming the argument (``match``) is the
         contract; ``error`` is the class the family's own implementations raise."""
         return []
+
+
+def positional_invalid_calls(impl: Callable, array_args: tuple[str, ...], good: dict[str, Any],
+                             arrays: Mapping[str, tuple[dict, str]], options: Mapping[str, tuple[dict, str]],
+                             **keywords) -> list[InvalidCall]:
+    """Invalid calls of a convention that passes its arrays positionally (implementations
+    name the first one differently: queries, q): each of ``arrays`` changes some of the
+    ``good`` arrays, each of ``options`` some keywords (besides ``keywords``); kind ->
+    (change, the pattern its error message must match)."""
+    def call(changed_arrays=None, changed_keywords=None):
+        given = {**good, **(changed_arrays or {})}
+        return lambda: impl(*(given[n] for n in array_args), **{**keywords, **(changed_keywords or {})})
+
+    return [InvalidCall(kind, call(changed_arrays=change), (ValueError, TypeError), match)
+            for kind, (change, match) in arrays.items()] + [
+            InvalidCall(kind, call(changed_keywords=change), (ValueError, TypeError), match)
+            for kind, (change, match) in options.items()]
 
 
 def accepted_keywords(impl: Callable, **keywords) -> dict[str, Any]:

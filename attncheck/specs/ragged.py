@@ -26,7 +26,7 @@ from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
 from attncheck.report.errormap import ErrorMapLayout, every
 from attncheck.specs.base import (FLOAT32_ACCUMULATION, MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall,
-                                  KernelSpec, accepted_keywords, values_by_dtype)
+                                  KernelSpec, accepted_keywords, positional_invalid_calls, values_by_dtype)
 
 FAMILY = "ragged_paged_attention"
 # The convention's array arguments, passed positionally.
@@ -567,16 +567,7 @@ def invalid_ragged_calls(impl) -> list[InvalidCall]:
         "mask_value_not_negative": (dict(mask_value=0.0), r"mask_value"),
     }
 
-    def call(arrays=None, keywords=None):
-        # The arrays positionally, as the convention passes them (implementations name the
-        # first one differently: queries, q).
-        arrays = {**good, **(arrays or {})}
-        return lambda: impl(*(arrays[n] for n in ARRAY_ARGS), **{"sm_scale": 0.1, **(keywords or {})})
-
-    return [InvalidCall(kind, call(arrays=change), (ValueError, TypeError), match)
-            for kind, (change, match) in bad.items()] + [
-            InvalidCall(kind, call(keywords=change), (ValueError, TypeError), match)
-            for kind, (change, match) in options.items()]
+    return positional_invalid_calls(impl, ARRAY_ARGS, good, bad, options, sm_scale=0.1)
 
 
 SPEC = RaggedSpec()

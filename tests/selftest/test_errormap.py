@@ -65,6 +65,15 @@ def test_the_maps_worst_cell_is_the_comparisons_budget_and_worst_element():
     assert m.worst_cell() == (cmp.worst_index[2] // 4, cmp.worst_index[3])
 
 
+def test_an_exact_directions_map_is_zero_where_equal_and_worst_where_not():
+    oracle = np.array([[1.0, np.nan], [2.0, 3.0]])
+    kernel = oracle.copy()
+    kernel[1, 1] = 3.5
+    budgets = em.element_budgets(kernel, oracle, 0.0)
+    assert budgets[0, 0] == budgets[0, 1] == budgets[1, 0] == 0
+    assert budgets[1, 1] == np.finfo(np.float64).max
+
+
 def test_sentinels_exact_zero_mismatch_and_dont_care():
     oracle = np.ones((1, 1, 16, 4))
     kernel = oracle.copy()

@@ -62,6 +62,20 @@ def test_nonfinite_must_agree_exactly(bad):
     assert same.passed
 
 
+def test_an_exact_direction_allows_no_difference_at_all():
+    """A copied direction (a KV cache): one element one ulp off fails, where the tolerance of
+    a computed direction passes it; equal values and NaN where the oracle has NaN pass."""
+    oracle = np.array([1.0, -2.0, np.nan, 0.5])
+    off = oracle.copy()
+    off[0] = np.nextafter(np.float32(1.0), np.float32(2.0))
+    assert numerics.compare(off, oracle, oracle, dtype=np.float32, direction="kv_cache").passed
+    cmp = numerics.compare(off, oracle, oracle, dtype=np.float32, direction="kv_cache", exact=True)
+    assert not cmp.passed and cmp.budget == np.inf and "1 of 3 elements differ" in cmp.reason
+    same = numerics.compare(oracle.astype(np.float32), oracle, oracle, dtype=np.float32, direction="kv_cache",
+                            exact=True)
+    assert same.passed and same.budget == 0 and same.allowed == 0
+
+
 def test_dont_care_elements_are_excluded_and_only_they():
     oracle = np.zeros((2, 3))
     kernel = oracle.copy()

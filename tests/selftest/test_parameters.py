@@ -62,6 +62,14 @@ def test_the_surface_names_every_keyword_config_field_and_array_axis():
     assert parameters.surface(kernel, (q, q, q, q), {})["ab"] == "<array>"
 
 
+def test_an_optional_tuple_records_whether_it_was_given():
+    given, absent = {}, {}
+    parameters.describe("block_sizes", (8, 32), given)
+    parameters.describe("block_sizes", None, absent)
+    assert given == {"block_sizes": "<tuple>", "block_sizes.len": "2", "block_sizes[0]": "8", "block_sizes[1]": "32"}
+    assert absent == {"block_sizes": "None"}
+
+
 def test_keywords_forwarded_through_kwargs_come_from_the_function_they_reach():
     q = np.zeros((1, 8, 2, 4), np.float32)
     found = parameters.surface(sharded, (q, q, q), dict(num_devices=2, causal=True), keyword_targets=[target])
