@@ -12,6 +12,7 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.flash",
     "attncheck.specs.ffn",
     "attncheck.specs.ragged",
+    "attncheck.specs.ragged_v3",
     "attncheck.specs.ring",
     "attncheck.specs.splash",
     "attncheck.specs.paged",

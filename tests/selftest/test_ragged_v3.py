@@ -1,0 +1,76 @@
+"""The ragged paged attention v3 family on tpu-inference's kernel, fetched from its pinned
+wheel: the kernel passes the family's windowed example on the interpret backends, and each
+planted bug of the classes its known issues belong to fails it (tpu-inference #1169: the
+first kv block of a windowed sequence taken as 0; sglang-jax #1606: the new K/V not written
+into the cache when a sliding window is set, while the output stays right). Skipped, with
+the reason, where the registry cannot be reached."""
+
+from __future__ import annotations
+
+import types
+import zipfile
+
+import numpy as np
+import pytest
+
+from attncheck import backends, check, third_party
+from attncheck.specs import ragged_v3
+from attncheck.third_party import tpu_inference
+
+KERNEL = "tpu_inference/kernels/ragged_paged_attention/v3/kernel.py"
+# Planted bug -> (the line as the wheel ships it, the line with the bug).
+PLANTED = {
+    "first_kv_block_of_a_window_taken_as_0": (
+        "cur_seq_start_bkv_idx = jnp.maximum(kv_q_gap - sliding_window,",
+        "cur_seq_start_bkv_idx = 0 * jnp.maximum(kv_q_gap - sliding_window,"),
+    "new_kv_not_written_with_a_window": (
+        "                if update_kv_cache:\n\n                    @pl.when(",
+        "                if update_kv_cache and sliding_window is None:\n\n                    @pl.when("),
+}
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    try:
+        return third_party.fetch_wheel(tpu_inference.PIN)
+    except third_party.Unavailable as exc:
+        pytest.skip(f"tpu-inference's wheel is not available here: {exc}")
+
+
+def _kernel_with(wheel, planted: str | None):
+    """The wheel's v3 kernel function, with one planted bug (None: as shipped)."""
+    shipped = tpu_inference.module("kernel")
+    if planted is None:
+        return shipped.ragged_paged_attention
+    source = zipfile.ZipFile(wheel).read(KERNEL).decode()
+    line, bug = PLANTED[planted]
+    assert source.count(line) == 1, f"the wheel's kernel no longer holds {line!r}"
+    module = types.ModuleType(f"{shipped.__name__}_{planted}")
+    exec(third_party.rewrite_imports(source.replace(line, bug), f"{KERNEL} ({planted})", "tpu_inference",
+                                     tpu_inference.PACKAGE), module.__dict__)
+    return module.ragged_paged_attention
+
+
+def _records(impl, backend: str):
+    case = ragged_v3.SPEC.explicit_examples["window_starts_past_first_kv_block"]
+    target = check.Target(ragged_v3.SPEC, "user", impl, backends.BACKENDS[backend])
+    return {r.direction: r for r in check.check_case(target, case).records}
+
+
+@pytest.mark.parametrize("backend", ["interpret", "interpret-hazards"])
+def test_the_shipped_kernel_passes_the_windowed_example(wheel, backend):
+    records = _records(_kernel_with(wheel, None), backend)
+    assert set(records) == {"out", "kv_cache"}
+    assert all(r.passed for r in records.values()), {d: r.reason for d, r in records.items()}
+
+
+def test_a_first_kv_block_taken_as_0_fails_the_output(wheel):
+    records = _records(_kernel_with(wheel, "first_kv_block_of_a_window_taken_as_0"), "interpret")
+    assert records["out"].failing, records["out"].reason
+
+
+def test_new_kv_not_written_with_a_window_fails_the_cache_while_the_output_passes(wheel):
+    records = _records(_kernel_with(wheel, "new_kv_not_written_with_a_window"), "interpret")
+    # The slots the new tokens belong to still hold the NaN they held before the call.
+    assert records["kv_cache"].failing and "NaN positions differ" in records["kv_cache"].reason
+    assert records["out"].passed, records["out"].reason
