@@ -68,8 +68,9 @@ def test_catalogue_size_and_spread():
     assert len(CATALOGUE) >= 40
     # Every family of the project's own kernels has mutants (a user family loaded with
     # --attncheck-spec is not part of the catalogue).
+    # A family without a kernel of its own (ragged_paged_attention_v3) has none to mutate.
     builtin = {name for name, spec in specs.all_specs().items()
-               if all(ref.startswith("kernels.") for ref in spec.default_impls.values())}
+               if spec.default_impls and all(ref.startswith("attncheck_kernels.") for ref in spec.default_impls.values())}
     missing = builtin - {m.family for m in CATALOGUE}
     assert not missing, f"kernel families without mutants: {sorted(missing)}"
     for m in CATALOGUE:
