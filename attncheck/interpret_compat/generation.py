@@ -91,7 +91,6 @@ def emulated_tpu(device_kind: str | None) -> Iterator[None]:
     if not isinstance(device_kind, str) or "TPU" not in device_kind:
         raise ValueError(f"emulated_tpu: device_kind must name a TPU (e.g. 'TPU v5 lite'), got {device_kind!r}")
     import jax
-
     from jax._src import mesh as mesh_lib
     from jax._src import tpu_info
 

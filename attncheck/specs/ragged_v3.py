@@ -81,10 +81,17 @@ OUT_DTYPES = (None, "float32")
 BLOCKS = {"default": None,
           "small": {"d_block_sizes": (1, 32, 1, 16), "p_block_sizes": (4, 32, 2, 16),
                     "m_block_sizes": (8, 32, 4, 16)},
-          # Compute chunks of 8 keys: for pages of 8 only (a chunk holds whole pages).
+          # Compute chunks of 8 keys: for pages of 8 only.
           "tiny": {"d_block_sizes": (1, 16, 1, 8), "p_block_sizes": (2, 16, 1, 8),
                    "m_block_sizes": (4, 16, 2, 8)}}
-TINY_PAGE = 8
+
+
+def fits_pages(blocks: str, page_size: int) -> bool:
+    """Every kv block and compute chunk of the set holds whole pages (the kernel's rule)."""
+    chosen = BLOCKS[blocks]
+    return chosen is None or all(size % page_size == 0 for sizes in chosen.values() for size in sizes[1::2])
+
+
 KINDS = ("decode", "chunked_prefill", "mixed")
 
 
@@ -175,7 +182,7 @@ def ragged_v3_cases(draw) -> Case:
         sliding_window=draw(st.one_of(st.none(), st.sampled_from((1, 5, page_size * 2 + 3, capacity + 7)))),
         soft_cap=draw(st.sampled_from(SOFT_CAPS)), sm_scale=draw(st.sampled_from((head_dim ** -0.5, *SM_SCALES))),
         q_scale=draw(st.sampled_from((None, *Q_SCALES))) if quantized else None, k_scale=scales[0], v_scale=scales[1],
-        blocks=draw(st.sampled_from(tuple(b for b in BLOCKS if b != "tiny" or page_size == TINY_PAGE))),
+        blocks=draw(st.sampled_from(tuple(b for b in BLOCKS if fits_pages(b, page_size)))),
         values=draw(st.sampled_from(S.NORMAL_AND_LARGE)), layout=layout, out_dtype=draw(st.sampled_from(OUT_DTYPES)),
         mask_value=draw(st.sampled_from((None, MASK_VALUE))),
         vmem_limit_bytes=draw(st.sampled_from((None, 64 * 1024 * 1024)))), draw(S.seeds))
@@ -201,8 +208,7 @@ def new_tokens_cross_a_page(p: RaggedV3Params) -> bool:
 
 def _several_keys(predicate):
     """What changes the logits shows only where a softmax spans several keys."""
-    window = lambda p: p.sliding_window or np.inf  # noqa: E731
-    return lambda p: any(min(window(p), k) >= 2 for _, k in p.seqs) and predicate(p)
+    return lambda p: any(min(p.sliding_window or np.inf, k) >= 2 for _, k in p.seqs) and predicate(p)
 
 
 def _valid_rows(case, inputs) -> dict[str, np.ndarray]:
@@ -258,6 +264,8 @@ class RaggedV3Spec(KernelSpec[RaggedV3Params]):
         # A combined-heads word holds K and V of several kv heads, and the last one is
         # partly padding.
         partly_filled_word=lambda p: (2 * p.num_kv_heads) % packing(KV_DTYPES[p.kv_dtype]) != 0,
+        # The kernel's out_dtype (its accumulator's) wider than the queries' dtype.
+        accumulator_wider_than_queries=lambda p: p.out_dtype == "float32" and p.dtype == "bfloat16",
         head_dim_64=lambda p: p.head_dim == 64,
         head_dim_128=lambda p: p.head_dim == 128,
         gqa=lambda p: p.num_q_heads > p.num_kv_heads,

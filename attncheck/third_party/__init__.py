@@ -63,7 +63,7 @@ def fetch_wheel(pin: Pin) -> pathlib.Path:
         directory.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                                "--disable-pip-version-check", "-q", "-d", str(directory), pin.requirement],
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, check=False)
         found = sorted(directory.glob(f"{prefix}*.whl"))
         if done.returncode or not found:
             last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]

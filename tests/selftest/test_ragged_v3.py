@@ -7,17 +7,25 @@ the reason, where the registry cannot be reached."""
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import types
 import zipfile
 
-import numpy as np
 import pytest
 
 from attncheck import backends, check, third_party
 from attncheck.specs import ragged_v3
 from attncheck.third_party import tpu_inference
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = "tpu_inference/kernels/ragged_paged_attention/v3/kernel.py"
+IMPL = "attncheck.third_party.tpu_inference:ragged_paged_attention_v3"
+# The deviations of the shipped kernel, declared (the nightly runs with them too).
+EXPECTATIONS = ROOT / "tests" / "third_party" / "tpu_inference.toml"
 # Planted bug -> (the line as the wheel ships it, the line with the bug).
 PLANTED = {
     "first_kv_block_of_a_window_taken_as_0": (
@@ -74,3 +82,24 @@ def test_new_kv_not_written_with_a_window_fails_the_cache_while_the_output_passe
     # The slots the new tokens belong to still hold the NaN they held before the call.
     assert records["kv_cache"].failing and "NaN positions differ" in records["kv_cache"].reason
     assert records["out"].passed, records["out"].reason
+
+
+def test_the_gate_on_the_shipped_kernel_passes_with_its_deviations_declared_and_fails_without(wheel, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_STEP_SUMMARY"))}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def gate(report, *args):
+        proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", ragged_v3.FAMILY,
+                               "--attncheck-impl", f"{ragged_v3.FAMILY}={IMPL}", "--attncheck-report", str(report),
+                               "--attncheck-require-coverage", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=1200)
+        return proc, json.loads((report / "report.json").read_text())
+
+    proc, report = gate(tmp_path / "declared", "--attncheck-expectations", str(EXPECTATIONS))
+    assert proc.returncode == 0 and report["verdict"] == "PASS", (proc.stdout + proc.stderr)[-3000:]
+    verified = {r["case_id"] for r in report["records"] if r["outcome"] == "pass" and r["backend"] != "tpu-lower"}
+    assert len(verified) >= 30 and {r["backend"] for r in report["records"]} >= {
+        "interpret", "interpret-hazards", "tpu-lower"}
+    assert not [r for r in report["records"] if "unsupported by interpret mode" in (r.get("reason") or "")]
+    proc, report = gate(tmp_path / "undeclared", "-k", "invalid")
+    assert proc.returncode != 0 and report["verdict"] == "FAIL", (proc.stdout + proc.stderr)[-3000:]
