@@ -201,6 +201,16 @@ def window_starts_past_first_kv_block(p: RaggedV3Params) -> bool:
         k - q - p.sliding_window >= block for q, k in p.seqs)
 
 
+def windowed_new_tokens_over_several_q_blocks(p: RaggedV3Params) -> bool:
+    """A windowed mixed sequence whose new tokens span several q blocks of the mixed kernel:
+    each q block's kv loop starts where its own window does, and the new K/V of every block
+    must still reach the cache (sglang-jax #1606: v3 skipped writing them with a window,
+    while its output stayed right)."""
+    chosen = BLOCKS[p.blocks]
+    return p.sliding_window is not None and chosen is not None and any(
+        p.kind_of(s) == "mixed" and q > chosen["m_block_sizes"][0] for s, (q, _) in enumerate(p.seqs))
+
+
 def new_tokens_cross_a_page(p: RaggedV3Params) -> bool:
     """A sequence's new tokens are written into two pages or more."""
     return any((k - q) // p.page_size != (k - 1) // p.page_size for q, k in p.seqs)
@@ -256,6 +266,7 @@ class RaggedV3Spec(KernelSpec[RaggedV3Params]):
         new_tokens_cross_a_page=new_tokens_cross_a_page,
         window_clips_keys=lambda p: p.sliding_window is not None and any(k > p.sliding_window for _, k in p.seqs),
         window_starts_past_first_kv_block=window_starts_past_first_kv_block,
+        windowed_new_tokens_over_several_q_blocks=windowed_new_tokens_over_several_q_blocks,
         soft_cap=_several_keys(lambda p: p.soft_cap is not None),
         q_scale=_several_keys(lambda p: p.q_scale is not None),
         kv_scales=_several_keys(lambda p: p.k_scale is not None),
@@ -282,7 +293,13 @@ class RaggedV3Spec(KernelSpec[RaggedV3Params]):
         dtype="float32", kv_dtype="float32", head_dim=128, page_size=16, num_q_heads=4, num_kv_heads=2,
         seqs=((1, 90), (6, 120), (3, 40)), distribution=(1, 1, 3), chunk_prefill_size=None, sliding_window=5,
         soft_cap=None, sm_scale=128 ** -0.5, q_scale=None, k_scale=None, v_scale=None, blocks="small",
-        values="normal"), 7)}
+        values="normal"), 7),
+        # 20 new tokens of a mixed sequence in three q blocks of 8, under a window of 5.
+        "windowed_new_tokens_over_several_q_blocks": Case(FAMILY, RaggedV3Params(
+            dtype="float32", kv_dtype="float32", head_dim=128, page_size=8, num_q_heads=2, num_kv_heads=2,
+            seqs=((1, 30), (20, 50)), distribution=(1, 1, 2), chunk_prefill_size=None, sliding_window=5,
+            soft_cap=None, sm_scale=128 ** -0.5, q_scale=None, k_scale=None, v_scale=None, blocks="small",
+            values="normal"), 3)}
     contracts = (Contract("cache_update_is_exact", "the updated kv_cache holds each new token's K/V (zero pads "
                           "included) in its slot, bit for bit, and every other element as it was"),
                  Contract("rows_of_no_sequence_are_not_judged", "output rows of tokens past cu_q_lens[distribution[2]] "
