@@ -84,7 +84,14 @@ class Options:
         return {"user": overrides[spec.name]} if spec.name in overrides else dict(spec.default_impls)
 
     def validate(self) -> None:
-        self.backend_names, self.selected_specs(), self.impl_overrides()
+        self.backend_names, self.impl_overrides()
+        if self.kernels:
+            # A family asked for by name that ships no kernel (ragged_paged_attention_v3)
+            # would verify nothing; an unnamed one (every family) is left out quietly.
+            bare = [spec.name for spec in self.selected_specs() if not self.implementations(spec)]
+            if bare:
+                raise SelectionError(f"--attncheck-kernel {self.kernels!r}: {', '.join(bare)} ships no implementation "
+                                     f"of its own; give one with --attncheck-impl {bare[0]}=package.module:function")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,11 @@ def test_default_selects_every_backend_and_unknown_names_are_rejected():
         Options(kernels="flash").validate()
     with pytest.raises(SelectionError, match=r"--attncheck-impl 'flash_attention=nowhere:fn': .*cannot import"):
         Options(impls=("flash_attention=nowhere:fn",)).validate()
+    with pytest.raises(SelectionError, match=r"ragged_paged_attention_v3 ships no implementation of its own; give one "
+                                             r"with --attncheck-impl ragged_paged_attention_v3="):
+        Options(kernels="ragged_paged_attention_v3").validate()
+    Options(kernels="ragged_paged_attention_v3",
+            impls=("ragged_paged_attention_v3=attncheck.specs.ragged_v3:invalid_v3_calls",)).validate()
 
 
 def test_tpu_backend_follows_the_devices(monkeypatch):
