@@ -319,7 +319,8 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     with timings.phase("oracle"):
         truth = spec.oracle(case, inputs)
     with timings.phase("yardstick", compiles=True):
-        reference = _yardsticks(spec, case, inputs)
+        # A copied direction is compared exactly: it has no yardstick but the oracle.
+        reference = {**_yardsticks(spec, case, inputs), **{d: (truth[d],) for d in spec.exact_directions}}
     exact = functools.cache(lambda: _exact_yardstick(spec, case, inputs))
     care, dtypes = spec.care(case, inputs), spec.output_dtypes(case)
     deviating = Deviating.of(target, case, inputs, base)

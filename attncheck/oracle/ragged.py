@@ -60,6 +60,27 @@ def _seq_count(num_seqs, max_num_seqs):
     return n
 
 
+def sequence_bounds(cu_q_lens: np.ndarray, n: int, num_tokens: int, count: str, tokens: str) -> np.ndarray:
+    """cu_q_lens[:n + 1], checked: non-decreasing from 0 to at most the token count."""
+    bounds = cu_q_lens[: n + 1]
+    if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] > num_tokens:
+        dense._fail("cu_q_lens", f"cu_q_lens[:{count} + 1] non-decreasing from 0 to at most {tokens} = {num_tokens}",
+                    bounds.tolist())
+    return bounds
+
+
+def attention_options(sm_scale, sliding_window, soft_cap, k_scale, v_scale) -> dict:
+    """dense.attention's options, checked here, not left to it, so that errors name the
+    ragged function's arguments and come even when no sequence has queries."""
+    return dict(
+        scale=dense._real("sm_scale", sm_scale),
+        window=None if sliding_window is None else dense._positive_int("sliding_window", sliding_window),
+        soft_cap=None if soft_cap is None else dense._real("soft_cap", soft_cap, positive=True),
+        k_scale=None if k_scale is None else dense._real("k_scale", k_scale),
+        v_scale=None if v_scale is None else dense._real("v_scale", v_scale),
+    )
+
+
 def ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                            v_scale=None) -> RaggedResult:
@@ -84,19 +105,8 @@ def ragged_paged_attention(queries, kv_pages, kv_lens, page_indices, cu_q_lens, 
     kv_lens = _int_table("kv_lens", kv_lens, "[max_num_seqs]", (max_num_seqs,))
     cu_q_lens = _int_table("cu_q_lens", cu_q_lens, "[max_num_seqs + 1]", (max_num_seqs + 1,))
     n = _seq_count(num_seqs, max_num_seqs)
-    bounds = cu_q_lens[: n + 1]
-    if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] > num_tokens:
-        dense._fail("cu_q_lens", f"cu_q_lens[:num_seqs + 1] non-decreasing from 0 to at most "
-                    f"max_num_batched_tokens = {num_tokens}", bounds.tolist())
-    # Checked here, not left to dense.attention, so errors name this function's arguments
-    # and come even when no sequence has queries.
-    options = dict(
-        scale=dense._real("sm_scale", sm_scale),
-        window=None if sliding_window is None else dense._positive_int("sliding_window", sliding_window),
-        soft_cap=None if soft_cap is None else dense._real("soft_cap", soft_cap, positive=True),
-        k_scale=None if k_scale is None else dense._real("k_scale", k_scale),
-        v_scale=None if v_scale is None else dense._real("v_scale", v_scale),
-    )
+    bounds = sequence_bounds(cu_q_lens, n, num_tokens, "num_seqs", "max_num_batched_tokens")
+    options = attention_options(sm_scale, sliding_window, soft_cap, k_scale, v_scale)
     sequences = []
     for s in range(n):
         q_len, kv_len = bounds[s + 1] - bounds[s], kv_lens[s]

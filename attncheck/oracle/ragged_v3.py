@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from attncheck.oracle import dense
+from attncheck.oracle.ragged import attention_options, sequence_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +103,8 @@ def ragged_paged_attention_v3(queries, keys, values, kv_cache, kv_lens, page_ind
         dense._fail("distribution", f"(i, j, k) with 0 <= i <= j <= k <= max_num_seqs = {max_num_seqs}",
                     distribution.tolist())
     n = int(distribution[2])
-    bounds = cu_q_lens[: n + 1]
-    if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] > num_tokens:
-        dense._fail("cu_q_lens", f"cu_q_lens[:k + 1] non-decreasing from 0 to at most max_num_tokens = "
-                    f"{num_tokens}", bounds.tolist())
-    options = dict(
-        scale=dense._real("sm_scale", sm_scale),
-        window=None if sliding_window is None else dense._positive_int("sliding_window", sliding_window),
-        soft_cap=None if soft_cap is None else dense._real("soft_cap", soft_cap, positive=True),
-        k_scale=None if k_scale is None else dense._real("k_scale", k_scale),
-        v_scale=None if v_scale is None else dense._real("v_scale", v_scale))
+    bounds = sequence_bounds(cu_q_lens, n, num_tokens, "distribution[2]", "max_num_tokens")
+    options = attention_options(sm_scale, sliding_window, soft_cap, k_scale, v_scale)
     q_scale = None if q_scale is None else dense._real("q_scale", q_scale, positive=True)
     q_lens = np.diff(bounds)
     for s in range(n):

@@ -97,7 +97,7 @@ class KernelSpec(abc.ABC, Generic[P]):
       otherwise;
     - ``exact_directions``: the directions that are copies, not computations (a KV cache
       the kernel writes new tokens into), compared with no tolerance
-      (``numerics.compare(exact=True)``).
+      (``numerics.compare(exact=True)``); ``yardstick`` leaves them out.
     """
 
     DEFAULT_EXAMPLES: ClassVar[int] = 4
@@ -201,8 +201,9 @@ class KernelSpec(abc.ABC, Generic[P]):
 
     @abc.abstractmethod
     def yardstick(self, case: Case[P], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The naive same-precision implementation's result for every direction: the
-        tolerance is scaled by its distance to the oracle (``attncheck.numerics``)."""
+        """The naive same-precision implementation's result for every direction but the
+        ``exact_directions``: the tolerance is scaled by its distance to the oracle
+        (``attncheck.numerics``)."""
 
     def output_dtypes(self, case: Case[P]) -> dict[str, Any]:
         """Direction -> dtype the kernel delivers it in (ulps are counted in it): every
