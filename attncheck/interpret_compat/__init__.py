@@ -7,6 +7,8 @@ Each patch is scoped to a ``with`` block that leaves jax exactly as it found it 
   jax's kernels that ask ``jax.devices()`` which TPU they run on;
 - ``views``: ``ref_views()``, loads, stores and DMAs through reshaped, bitcast and
   transposed refs, and masked stores the interpreter misjudges as out of bounds;
+- ``grids``: ``vmapped_grids()``, a vmapped kernel's grid read with its vmapped dimensions
+  parallel, as Mosaic lowers it;
 - ``callbacks``: ``host_callbacks()``, the interpreter's host callbacks without jax's move
   of every operand onto a device and back, counted (``InterpretedCalls``: did a kernel run);
 - ``collectives``: ``ordered_collectives()`` with ``in_collective_order(fn)``, every
@@ -25,6 +27,7 @@ import importlib
 _EXPORTS = {
     "emulated_tpu": "generation",
     "ref_views": "views",
+    "vmapped_grids": "grids",
     "host_callbacks": "callbacks",
     "InterpretedCalls": "callbacks",
     "in_collective_order": "collectives",

@@ -558,3 +558,27 @@ def test_the_report_names_each_limitation_once_per_backend_and_stays_a_fail():
     assert f"## Not run: unsupported by interpret mode or by the implementation\n\n- {lines[0]}\n- {lines[1]}\n" in markdown
     assert f"<li>{lines[1]}</li>" in render.render_html(report)
     assert report_of([record("c2", backend="interpret")]).limitations == []
+
+
+# ----------------------------------------------------------------- vmapped grids
+
+def _doubled_rows(x):
+    """A kernel with a parallel grid over row blocks, vmapped over a leading batch axis."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape[1:], x.dtype), grid=(2,),
+                          in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                          compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))
+    return jax.vmap(call)(x)
+
+
+def test_a_vmapped_kernel_interprets_only_with_its_vmapped_dims_parallel():
+    x = jnp.arange(3 * 16 * 128, dtype=jnp.float32).reshape(3, 16, 128)
+    with pltpu.force_tpu_interpret_mode(INTERPRET), pytest.raises(ValueError, match="safe_zip"):
+        jax.block_until_ready(_doubled_rows(x))
+    with ic.vmapped_grids(), pltpu.force_tpu_interpret_mode(INTERPRET):
+        np.testing.assert_array_equal(np.asarray(_doubled_rows(x)), 2 * np.asarray(x))
+    with backends.BACKENDS["interpret"].context():
+        np.testing.assert_array_equal(np.asarray(_doubled_rows(x)), 2 * np.asarray(x))
