@@ -23,6 +23,9 @@ from attncheck import interpret_compat, numerics, structure, yardstick
 from attncheck.backends import Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin, release_when_mappings_run_out
+from attncheck.domain import DECLARED as DOMAIN_REFUSAL
+from attncheck.domain import Domain
+from attncheck.domain import of as domain_of
 from attncheck.expectations import (
     BUG_CLASS,
     CONTRACT,
@@ -79,6 +82,21 @@ class Target:
         """The reference that finds the implementation again: as the run named it, which is
         what a table of expectations names too."""
         return self.ref or ":".join(map(str, impl_origin(self.impl)))
+
+    @property
+    def domain(self) -> Domain:
+        return domain_of(self.impl)
+
+    def fit(self, case: Case) -> Case:
+        """The case fitted to the implementation's declared sequence multiple."""
+        multiple = self.domain.sequence_multiple
+        if multiple == 1:
+            return case
+        return Case(case.family, self.spec.fit_sequences(case.params, multiple), case.seed)
+
+    def refusal(self, case: Case) -> str | None:
+        """Why the implementation's declared domain leaves this case out (None: it takes it)."""
+        return self.domain.refusal(case.params, self.spec.fit_sequences)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +306,10 @@ def check_case(target: Target, case: Case, *, report_dir: str | None = None, nod
     release_when_mappings_run_out()
     if started is not None:
         started(base)
+    outside = target.refusal(case)
+    if outside is not None:
+        return Outcome([Record(**dataclasses.asdict(base), direction="all", outcome="error",
+                               reason=f"{UNSUPPORTED_BY_IMPLEMENTATION}{outside}", expected=DOMAIN_REFUSAL)])
     if not target.backend.compares_numerics:
         return _check_lowering(target, case, base)
 

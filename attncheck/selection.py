@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from attncheck import coverage, specs
+from attncheck import coverage, domain, specs
 from attncheck.backends import BACKENDS
 from attncheck.check import Target
 from attncheck.expectations import INVALID_CALL, Expectation, for_target
@@ -71,9 +71,14 @@ class Options:
                 raise SelectionError(f"--attncheck-impl {value!r}: expected FAMILY=package.module:function "
                                      f"with FAMILY one of {', '.join(sorted(known))}")
             try:
-                resolve_impl(ref)  # fail at startup, not in the middle of the gate
-            except ValueError as exc:
+                declared = domain.of(resolve_impl(ref))  # fail at startup, not in the middle of the gate
+            except (ValueError, TypeError) as exc:
                 raise SelectionError(f"--attncheck-impl {value!r}: {exc}") from exc
+            spec = known[family]
+            if declared.sequence_multiple > 1 and type(spec).fit_sequences is KernelSpec.fit_sequences:
+                raise SelectionError(f"--attncheck-impl {value!r}: the implementation declares sequences of "
+                                     f"multiples of {declared.sequence_multiple}, and family {family!r} cannot fit "
+                                     "its draws to them (its spec defines no fit_sequences)")
             overrides[family] = ref
         return overrides
 
@@ -104,6 +109,9 @@ class GateTest:
     backend_name: str
     part: str  # COVERAGE or DRAWN
     share: coverage.Share | None = None
+    # The backend runs the family's coverage examples: the first of the implementation's
+    # backends the run selects (its drawn cases skip those examples).
+    runs_coverage: bool = False
 
     @property
     def target_id(self) -> str:
@@ -130,12 +138,13 @@ def gate_tests(options: Options) -> list[GateTest]:
     tests = []
     for spec in options.selected_specs():
         for impl_name, ref in options.implementations(spec).items():
-            own = spec.backends_for(impl_name)
-            for name in (b for b in own if b in chosen):
-                if name == own[0] and spec.bug_classes:
-                    tests += [GateTest(spec, impl_name, ref, name, COVERAGE, share)
+            selected = [b for b in spec.backends_for(impl_name) if b in chosen]
+            for name in selected:
+                first = name == selected[0] and bool(spec.bug_classes)
+                if first:
+                    tests += [GateTest(spec, impl_name, ref, name, COVERAGE, share, runs_coverage=True)
                               for share in coverage.shares(len(coverage.examples(spec)))]
-                tests.append(GateTest(spec, impl_name, ref, name, DRAWN))
+                tests.append(GateTest(spec, impl_name, ref, name, DRAWN, runs_coverage=first))
     return tests
 
 

@@ -160,6 +160,14 @@ class KernelSpec(abc.ABC, Generic[P]):
     def case_from_json(self, data: Mapping) -> Case[P]:
         return Case.from_json(data, self.params_type)
 
+    def fit_sequences(self, params: P, multiple: int) -> P:
+        """The params with every sequence length rounded up to a multiple of ``multiple``,
+        keeping what the bug classes read of the shape (``attncheck.domain``); a family
+        whose draws cannot be fitted so says it."""
+        raise NotImplementedError(f"family {self.name!r} cannot fit its draws to sequence lengths that are "
+                                  f"multiples of {multiple} (an implementation's Domain.sequence_multiple); "
+                                  "its spec defines no fit_sequences")
+
     def backends_for(self, impl_name: str) -> tuple[str, ...]:
         """The backends an implementation runs on; the first also runs its coverage examples."""
         return tuple(self.impl_backends.get(impl_name, self.backends))

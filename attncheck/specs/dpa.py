@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, bugclasses, oracle, parameters, yardstick
+from attncheck import backends, bugclasses, domain, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
@@ -172,6 +172,13 @@ def _query_valid(p: DPAParams) -> np.ndarray:
     return (np.arange(p.q_len)[None, :] < lengths[:, None])[:, None, :, None]
 
 
+def _padded_rows(case: Case[DPAParams], inputs) -> dict[str, np.ndarray]:
+    """Where padded query rows show: their output rows, and all of dv of a batch that has
+    some (a padded row's cotangent reaches every key it would see)."""
+    valid = _query_valid(case.params)[:, 0, :, 0]  # [B, T]
+    return {"out": ~valid[:, :, None, None], "dv": ~valid.all(axis=1)[:, None, None, None]}
+
+
 def _off_tiles(p: DPAParams) -> bool:
     return bool(p.q_len % 8 or p.kv_len % 128)
 
@@ -219,7 +226,8 @@ class DPASpec(KernelSpec[DPAParams]):
         # Query heads that share a kv head see different keys.
         mask_per_head=lambda p: p.mask == "per_head" and p.q_heads > p.kv_heads,
         mask_shared=lambda p: p.mask == "shared",
-        q_padding=lambda p: p.q_lengths is not None and min(p.q_lengths) < p.q_len,
+        q_padding=bugclasses.Touching(lambda p: p.q_lengths is not None and min(p.q_lengths) < p.q_len,
+                                      _padded_rows),
         kv_padding=lambda p: p.kv_lengths is not None and 0 < min(p.kv_lengths) < p.kv_len,
         window_with_causal=lambda p: p.window is not None and p.is_causal,
         # Causal hides what the right side lets through.
@@ -280,6 +288,16 @@ class DPASpec(KernelSpec[DPAParams]):
 
     def inputs(self, case):
         return dpa_inputs(case)
+
+    def fit_sequences(self, params, multiple):
+        """T and S rounded up to the multiple, T < S, T = S and T > S kept as drawn; the
+        lengths stay (they are at most the old T and S)."""
+        t, s = (domain.round_up(n, multiple) for n in (params.q_len, params.kv_len))
+        if params.q_len < params.kv_len and t >= s:
+            s = t + multiple
+        if params.q_len > params.kv_len and s >= t:
+            t = s + multiple
+        return dataclasses.replace(params, q_len=t, kv_len=s)
 
     # ------------------------------------------------------------------ running
     @staticmethod
@@ -352,8 +370,11 @@ def invalid_dpa_calls(impl, *, adapter: bool = False) -> list[InvalidCall]:
     """Calls the convention rules out; every implementation must reject them with an error
     naming the argument (the exception class is the implementation's). The flash adapter
     also rejects what jax.nn lets through: float16 (the kernel has no float16), a mask head
-    axis neither 1 nor N (jax.nn: a bare AssertionError), a negative window (jax.nn: accepted)."""
-    b, t, s, n, k, h = 2, 8, 128, 4, 2, 64
+    axis neither 1 nor N (jax.nn: a bare AssertionError), a negative window (jax.nn: accepted).
+    Sequence lengths are the implementation's declared multiple (attncheck.domain), so each
+    call is refused for what it breaks, not for a sequence the implementation never takes."""
+    multiple = domain.of(impl).sequence_multiple
+    b, t, s, n, k, h = 2, domain.round_up(8, multiple), domain.round_up(128, multiple), 4, 2, 64
     f32 = jnp.float32
     query, key = jnp.zeros((b, t, n, h), f32), jnp.zeros((b, s, k, h), f32)
     bad = {
