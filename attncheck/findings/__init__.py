@@ -1,7 +1,8 @@
-"""Findings upstream can act on: each deviation the gate found in the kernels jax ships,
-with a standalone reproducer and an issue draft beside this module.
+"""Findings upstream can act on: each deviation the gate found in the kernels jax ships
+(and in third-party kernels: ``Finding.package``), with a standalone reproducer and an
+issue draft beside this module.
 
-``repro_<id>.py`` needs only jax and numpy (never attncheck), builds its input literally,
+``repro_<id>.py`` needs only jax and numpy (and the third-party package; never attncheck), builds its input literally,
 calls the kernel as its users do in interpret mode on CPU, prints the kernel against a
 plain reference at the worst element, and exits 1 with an AssertionError while the
 deviation is present (0 once it is fixed). ``issue_<id>.md`` is the report a jax
@@ -37,6 +38,10 @@ class Finding:
     held_as: str
     since: str = SINCE
     by_design: bool = False
+    # A third-party kernel's: the package its reproducer imports besides jax and numpy, and
+    # the table of expectations (from the repository root) that declares its deviation.
+    package: str | None = None
+    declared_in: str | None = None
 
     @property
     def reproducer(self) -> pathlib.Path | None:
@@ -99,6 +104,11 @@ FINDINGS = (
             f"experimental/pallas/ops/tpu/flash_attention.py ({_FLASH}.mha_reference)",
             "bug classes causal_absent_rows_skip_blocks, causal_neg_inf_row_falls_back: this repository's kernel "
             "promises otherwise", by_design=True),
+    Finding("tokamax_xla_q_padding", "dot_product_attention", "tokamax.dot_product_attention (implementation='xla')",
+            "rows past query_seq_lengths are the mean of v where jax.nn gives 0 (and their cotangent reaches dv): "
+            "query_seq_lengths becomes mask.q_end, a fully masked row",
+            "tokamax/_src/ops/attention/api.py 140-149, base.py 235-236", "bug_class:q_padding",
+            since="tokamax 0.0.17", package="tokamax", declared_in="tests/third_party/tokamax.toml"),
 )
 
 
