@@ -43,16 +43,77 @@ from attncheck.specs.splash_cases import FAMILY, NUM_LANES, SplashParams, splash
 from attncheck.specs.splash_masks import build
 
 
-# Crossed pairwise: the forward's kv blocks, the backward's kernels, the heads against the
-# kv heads, and how the call is sharded: a head or q-sequence shard's offsets meet each.
+# The partitions crossed pairwise: the forward's kv blocks, the backward's kernels, the
+# heads against the kv heads, and how the call is sharded: a head or q-sequence shard's
+# offsets meet each.
+KV_BLOCKS = bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_kv"] >= p.kv_len,
+                                 several=lambda p: p.block_sizes["block_kv"] < p.kv_len)
+HEADS = bugclasses.partition("heads", mha=lambda p: p.api == "mha" and p.kv_heads == p.heads,
+                             gqa=lambda p: p.api == "mha" and p.kv_heads < p.heads, mqa=lambda p: p.api == "mqa")
+SHARDS = bugclasses.partition("shards", none=lambda p: p.device_count == 1, heads=lambda p: p.head_shards > 1,
+                              q_seq=lambda p: p.q_seq_shards > 1)
 PAIRS = bugclasses.pairwise(
-    bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_kv"] >= p.kv_len,
-                         several=lambda p: p.block_sizes["block_kv"] < p.kv_len),
+    KV_BLOCKS,
     bugclasses.partition("backward", fused=lambda p: p.fused_bwd, dq_kernel=lambda p: not p.fused_bwd),
-    bugclasses.partition("heads", mha=lambda p: p.api == "mha" and p.kv_heads == p.heads,
-                         gqa=lambda p: p.api == "mha" and p.kv_heads < p.heads, mqa=lambda p: p.api == "mqa"),
-    bugclasses.partition("shards", none=lambda p: p.device_count == 1, heads=lambda p: p.head_shards > 1,
-                         q_seq=lambda p: p.q_seq_shards > 1))
+    HEADS, SHARDS)
+
+# Searched in this order, each class only if no earlier example exercises it: classes whose
+# examples carry many conditions at once come first (fewer, richer examples).
+CLASSES = dict(
+    gqa=lambda p: p.api == "mha" and p.heads > p.kv_heads,
+    q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,
+    offset_inside_kv=blocks.offset_inside_kv,
+    running_max_across_kv_blocks=lambda p: blocks.keys_in_several_blocks(p, blocks.pass_blocks(p)["fwd"]),
+    computed_mask_past_first_kv_block=blocks.computed_mask_past_first_kv_block,
+    # k_offset must come from data_next, not from the grid index.
+    computed_mask_on_shrunk_grid=lambda p: blocks.mask_is_computed(p) and blocks.shrunk_grid(p),
+    skipped_block_between_visited=blocks.skipped_block_between_visited,
+    full_and_partial_blocks_loaded=functools.partial(blocks.partial_blocks_loaded, with_full=True),
+    partial_blocks_loaded=blocks.partial_blocks_loaded,
+    shrunk_grid=blocks.shrunk_grid,
+    mqa=lambda p: p.api == "mqa",
+    v_head_dim_ne_head_dim=lambda p: p.v_head_dim != p.head_dim,
+    # Grouped (h // group), not interleaved (h % kv_heads), query heads per kv head:
+    # the two agree while there is one kv head.
+    gqa_several_kv_heads=lambda p: p.api == "mha" and 1 < p.kv_heads < p.heads,
+    q_block_without_keys=blocks.q_block_without_keys,
+    combined_masks=blocks.combined_masks,
+    window_right_side_cuts=blocks.window_right_side_cuts,
+    per_head_masks_within_kv_group=blocks.per_head_masks_within_kv_group,
+    chunk_boundary_inside_kv_block=blocks.chunk_boundary_inside,
+    fully_masked_row_in_visited_block=blocks.fully_masked_row_in_visited_block,
+    segments_vary_across_tiles=blocks.segments_vary_across_tiles,
+    q_seq_shards=lambda p: p.q_seq_shards > 1,
+    head_shards=lambda p: p.head_shards > 1,
+    kv_compute_inner_loops=lambda p: (p.block_sizes["block_kv_compute"] < p.block_sizes["block_kv"]
+                                      and p.block_sizes["block_kv_dkv_compute"] < p.block_sizes["block_kv_dkv"]),
+    bwd_blocks_differ=blocks.bwd_blocks_differ,
+    fused_dq_over_kv_blocks=lambda p: p.fused_bwd and blocks.keys_in_several_blocks(
+        p, blocks.pass_blocks(p)["dkv"]),
+    dq_kernel_over_kv_blocks=lambda p: not p.fused_bwd and blocks.keys_in_several_blocks(
+        p, blocks.pass_blocks(p)["dq"]),
+    soft_cap=lambda p: p.soft_cap is not None,
+    # Blocks of several lane tiles in every pass, and q, k, v read transposed.
+    wide_blocks=lambda p: all(p.block_sizes[f] > NUM_LANES for f in (
+        "block_q", "block_kv_compute", "block_q_dkv", "block_kv_dkv_compute")),
+    seq_minor_layouts=lambda p: set(p.layouts) == {"SEQ_MINOR"},
+    # q and kv segment ids of different lengths, either way round, and narrow ones; on
+    # one device, where the probe sees the kernel's call (a sharded one is handed to
+    # shard_map), so that their parameters vary in the report too.
+    segments_q_longer=lambda p: p.segments != "none" and p.q_len > p.kv_len and p.device_count == 1,
+    segments_kv_longer=lambda p: p.segments != "none" and p.kv_len > p.q_len and p.device_count == 1,
+    int16_segment_ids=lambda p: p.segment_dtype == "int16" and p.device_count == 1,
+    bf16=lambda p: p.dtype == "bfloat16",
+    large_logits=lambda p: p.values == "large",
+    exact_ties=lambda p: p.values == "ties",
+    # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
+    bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 256 and p.values == "offset",
+    # jax's kernel's findings (declared below): their cases run like any other.
+    forward_nan_rows_reach_backward=bugclasses.Touching(blocks.forward_nan_rows_reach_backward,
+                                                        blocks.nan_backward),
+    q_seq_shards_without_partial_blocks=blocks.q_seq_shards_without_partial_blocks,
+    q_seq_shard_without_keys=blocks.q_seq_shard_without_keys,
+)
 
 
 class SplashSpec(KernelSpec[SplashParams]):
@@ -63,65 +124,9 @@ class SplashSpec(KernelSpec[SplashParams]):
     default_impls = {"builtin": "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel:"
                                 "make_splash_mha"}
     backends = ("interpret", "interpret-hazards", "tpu-lower", "tpu")
-    # Searched in this order, each class only if no earlier example exercises it: classes
-    # whose examples carry many conditions at once come first (fewer, richer examples).
-    bug_classes = bugclasses.bug_classes(
-        gqa=lambda p: p.api == "mha" and p.heads > p.kv_heads,
-        q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,
-        offset_inside_kv=blocks.offset_inside_kv,
-        running_max_across_kv_blocks=lambda p: blocks.keys_in_several_blocks(p, blocks.pass_blocks(p)["fwd"]),
-        computed_mask_past_first_kv_block=blocks.computed_mask_past_first_kv_block,
-        # k_offset must come from data_next, not from the grid index.
-        computed_mask_on_shrunk_grid=lambda p: blocks.mask_is_computed(p) and blocks.shrunk_grid(p),
-        skipped_block_between_visited=blocks.skipped_block_between_visited,
-        full_and_partial_blocks_loaded=functools.partial(blocks.partial_blocks_loaded, with_full=True),
-        partial_blocks_loaded=blocks.partial_blocks_loaded,
-        shrunk_grid=blocks.shrunk_grid,
-        mqa=lambda p: p.api == "mqa",
-        v_head_dim_ne_head_dim=lambda p: p.v_head_dim != p.head_dim,
-        # Grouped (h // group), not interleaved (h % kv_heads), query heads per kv head:
-        # the two agree while there is one kv head.
-        gqa_several_kv_heads=lambda p: p.api == "mha" and 1 < p.kv_heads < p.heads,
-        q_block_without_keys=blocks.q_block_without_keys,
-        combined_masks=blocks.combined_masks,
-        window_right_side_cuts=blocks.window_right_side_cuts,
-        per_head_masks_within_kv_group=blocks.per_head_masks_within_kv_group,
-        chunk_boundary_inside_kv_block=blocks.chunk_boundary_inside,
-        fully_masked_row_in_visited_block=blocks.fully_masked_row_in_visited_block,
-        segments_vary_across_tiles=blocks.segments_vary_across_tiles,
-        q_seq_shards=lambda p: p.q_seq_shards > 1,
-        head_shards=lambda p: p.head_shards > 1,
-        kv_compute_inner_loops=lambda p: (p.block_sizes["block_kv_compute"] < p.block_sizes["block_kv"]
-                                          and p.block_sizes["block_kv_dkv_compute"] < p.block_sizes["block_kv_dkv"]),
-        bwd_blocks_differ=blocks.bwd_blocks_differ,
-        fused_dq_over_kv_blocks=lambda p: p.fused_bwd and blocks.keys_in_several_blocks(
-            p, blocks.pass_blocks(p)["dkv"]),
-        dq_kernel_over_kv_blocks=lambda p: not p.fused_bwd and blocks.keys_in_several_blocks(
-            p, blocks.pass_blocks(p)["dq"]),
-        soft_cap=lambda p: p.soft_cap is not None,
-        # Blocks of several lane tiles in every pass, and q, k, v read transposed.
-        wide_blocks=lambda p: all(p.block_sizes[f] > NUM_LANES for f in (
-            "block_q", "block_kv_compute", "block_q_dkv", "block_kv_dkv_compute")),
-        seq_minor_layouts=lambda p: set(p.layouts) == {"SEQ_MINOR"},
-        # q and kv segment ids of different lengths, either way round, and narrow ones; on
-        # one device, where the probe sees the kernel's call (a sharded one is handed to
-        # shard_map), so that their parameters vary in the report too.
-        segments_q_longer=lambda p: p.segments != "none" and p.q_len > p.kv_len and p.device_count == 1,
-        segments_kv_longer=lambda p: p.segments != "none" and p.kv_len > p.q_len and p.device_count == 1,
-        int16_segment_ids=lambda p: p.segment_dtype == "int16" and p.device_count == 1,
-        bf16=lambda p: p.dtype == "bfloat16",
-        large_logits=lambda p: p.values == "large",
-        exact_ties=lambda p: p.values == "ties",
-        # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
-        bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 256 and p.values == "offset",
-        # jax's kernel's findings (declared below): their cases run like any other.
-        forward_nan_rows_reach_backward=bugclasses.Touching(blocks.forward_nan_rows_reach_backward,
-                                                            blocks.nan_backward),
-        q_seq_shards_without_partial_blocks=blocks.q_seq_shards_without_partial_blocks,
-        q_seq_shard_without_keys=blocks.q_seq_shard_without_keys,
-    ) + (bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
-         + values_by_dtype() + bugclasses.presences(segment_ids=lambda p: p.segments != "none",
-                                                    attn_logits_soft_cap=lambda p: p.soft_cap is not None))
+    bug_classes = (bugclasses.bug_classes(**CLASSES) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, (
+        "in (0, 1)", "one", "above 1")).classes + PAIRS + values_by_dtype() + bugclasses.presences(
+        segment_ids=lambda p: p.segments != "none", attn_logits_soft_cap=lambda p: p.soft_cap is not None))
     examples = {"interpret": 4, "interpret-hazards": 2, "tpu-lower": 4, "tpu": 16}
     fixed_parameters = {
         "mask.*": "the mask zoo is the case's data, drawn by the spec's own strategy with a bug class per "
@@ -173,20 +178,30 @@ class SplashSpec(KernelSpec[SplashParams]):
         return out
 
     # ------------------------------------------------------------------ running
-    def _forward(self, impl, p: SplashParams, factory=None, mesh=None):
-        """forward(q, k, v, q_segment_ids, kv_segment_ids) with the implementation's kernel
-        for the case's masks and blocks, under shard_map when the case is sharded (over
-        ``mesh``, default the case's CPU devices). MQA cases build it with
-        ``make_splash_mqa`` of the implementation's module (``factory``: a stand-in for that)."""
+    def _kernel(self, impl, p: SplashParams, factory=None):
+        """The implementation's kernel for the case's masks and blocks; MQA cases build it
+        with ``make_splash_mqa`` of the implementation's module (``factory``: a stand-in
+        for that)."""
         module = impl_module(impl)
         factory = factory or (impl if p.api == "mha" else module.make_splash_mqa)
         shape = (p.q_len, p.kv_len)
         mask = module.mask_lib.MultiHeadMask([build(module.mask_lib, d, shape) for d in p.masks])
         layouts = {f"{x}_layout": module.QKVLayout[name] for x, name in zip("qkv", p.layouts)}
         blocks = module.BlockSizes(**p.block_sizes, use_fused_bwd_kernel=p.fused_bwd, **layouts)
-        optional = {"mask_value": p.mask_value} if p.mask_value is not None else {}
-        kernel = factory(mask, block_sizes=blocks, attn_logits_soft_cap=p.soft_cap, head_shards=p.head_shards,
-                         q_seq_shards=p.q_seq_shards, downcast_smem_data=p.downcast_smem_data, **optional)
+        return factory(mask, block_sizes=blocks, attn_logits_soft_cap=p.soft_cap, head_shards=p.head_shards,
+                       q_seq_shards=p.q_seq_shards, downcast_smem_data=p.downcast_smem_data, **mask_value_of(p))
+
+    # How the kernel's mask info is sharded over a mesh's "shards" axis: by heads or by q rows.
+    @staticmethod
+    def _mask_info_spec(p: SplashParams) -> P:
+        return P("shards", None) if p.head_shards > 1 else P(None, "shards")
+
+    def _forward(self, impl, p: SplashParams, factory=None, mesh=None):
+        """forward(q, k, v, q_segment_ids, kv_segment_ids) with the implementation's kernel
+        (``_kernel``), under shard_map when the case is sharded (over ``mesh``, default the
+        case's CPU devices)."""
+        kernel = self._kernel(impl, p, factory)
+        module = impl_module(impl)
 
         def forward(q, k, v, q_seg, kv_seg, kernel=kernel):
             return kernel(q, k, v, None if q_seg is None else module.SegmentIds(q=q_seg, kv=kv_seg))
@@ -202,8 +217,7 @@ class SplashSpec(KernelSpec[SplashParams]):
         kv_sharded = by_heads and p.api == "mha" and p.kv_heads % p.head_shards == 0
         kv = P("shards", None, None) if kv_sharded else P()
         q_ids = P(None) if by_heads else P("shards")
-        kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P("shards", None) if by_heads
-                                                                 else P(None, "shards")))
+        kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, self._mask_info_spec(p)))
         # check_vma=False: the kernel's pallas_call does not declare how its outputs vary.
         sharded = jax.shard_map(forward, mesh=mesh, in_specs=(rows, kv, kv, q_ids, P(None), kernel_spec),
                                 out_specs=rows, check_vma=False)
@@ -221,7 +235,7 @@ class SplashSpec(KernelSpec[SplashParams]):
         p = case.params
         # What forces a new compile: not the values, the seed or the segment layout.
         static = dataclasses.replace(p, values="", segment_starts=())
-        fn = compiled((FAMILY, impl_key(impl), static), lambda: with_vjp(self._forward(impl, p)))
+        fn = compiled((self.name, impl_key(impl), static), lambda: with_vjp(self._forward(impl, p)))
         out, (dq, dk, dv) = fn((inputs["q"], inputs["k"], inputs["v"]), inputs["d_out"],
                                inputs.get("q_segment_ids"), inputs.get("kv_segment_ids"))
         return {"out": np.asarray(out), "dq": np.asarray(dq), "dk": _with_head_axis(p, dk),
@@ -271,36 +285,72 @@ class SplashSpec(KernelSpec[SplashParams]):
         return invalid_splash_calls(impl)
 
 
+def mask_value_of(p: SplashParams) -> dict:
+    return {"mask_value": p.mask_value} if p.mask_value is not None else {}
+
+
 def _with_head_axis(p: SplashParams, grad) -> np.ndarray:
     """MQA's dk/dv [K, D] as [1, K, D], the layout of every other case."""
     grad = np.asarray(grad)
     return grad[None] if p.api == "mqa" else grad
 
 
+# The invalid calls' shapes: H heads of S tokens of D, a causal mask, and blocks of 128 in
+# every pass.
+INVALID_HEADS, INVALID_LEN, INVALID_DIM = 2, 256, 128
+FULL_BLOCKS = dict(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128, block_kv_dkv=128,
+                   block_kv_dkv_compute=128, block_q_dq=128, block_kv_dq=128)
+
+
 def invalid_splash_calls(impl) -> list[InvalidCall]:
+    """jax's convention: a MultiHeadMask, BlockSizes, head shards, the dq kernel."""
     module = impl_module(impl)
     mask_lib = module.mask_lib
-    h, s, d = 2, 256, 128
-    x = jnp.zeros((h, s, d), jnp.float32)
+    h, s = INVALID_HEADS, INVALID_LEN
     causal = mask_lib.MultiHeadMask([mask_lib.CausalMask((s, s))] * h)
-    full = dict(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128, block_kv_dkv=128,
-                block_kv_dkv_compute=128, block_q_dq=128, block_kv_dq=128)
 
-    def make(mask=causal, **changes):
+    def make(mask=causal, *, q_seq_shards=1, **changes):
         # Built inside the call: constructors that validate must raise under pytest.raises.
-        return impl(mask, block_sizes=module.BlockSizes(**{**full, **changes}), head_shards=1, q_seq_shards=1)
+        return impl(mask, block_sizes=module.BlockSizes(**{**FULL_BLOCKS, **changes}), head_shards=1,
+                    q_seq_shards=q_seq_shards)
 
-    def call(*args, mask=causal, **changes):
-        return make(mask, **changes)(*args)
-
-    def grad(**changes):
-        kernel = make(**changes)
-        return jax.grad(lambda q: kernel(q, x, x).sum())(x)
-
-    return [
+    x = jnp.zeros((h, s, INVALID_DIM), jnp.float32)
+    return invalid_calls_through(make, module, mask_shape=(h, s, s)) + [
         InvalidCall("fused_with_dq_blocks", lambda: module.BlockSizes(block_q=128, block_kv=128,
                                                                       use_fused_bwd_kernel=True, block_q_dq=128),
                     ValueError, r"dq"),
+        InvalidCall("block_kv_dq_not_lane_multiple", lambda: _grad_of(make(block_kv_dq=64), x), ValueError,
+                    r"bkv=64"),
+        InvalidCall("no_backward_blocks", lambda: _grad_of(impl(causal, block_sizes=module.BlockSizes(128, 128),
+                                                                head_shards=1, q_seq_shards=1), x),
+                    ValueError, r"backward blocks"),
+        InvalidCall("mask_2d", lambda: make(mask_lib.CausalMask((s, s))), ValueError, r"mask shape"),
+        InvalidCall("head_mask_shapes_differ", lambda: mask_lib.MultiHeadMask(
+            [mask_lib.CausalMask((s, s)), mask_lib.CausalMask((s, 2 * s))]), ValueError, r"mask shape"),
+        InvalidCall("multi_head_mask_nested", lambda: mask_lib.MultiHeadMask([causal]), ValueError,
+                    r"MultiHeadMask"),
+        InvalidCall("head_shards_not_dividing", lambda: impl(causal, block_sizes=module.BlockSizes(**FULL_BLOCKS),
+                                                             head_shards=3, q_seq_shards=1), ValueError,
+                    r"head_shards"),
+    ]
+
+
+def _grad_of(kernel, x):
+    return jax.grad(lambda q: kernel(q, x, x).sum())(x)
+
+
+def invalid_calls_through(make, module, *, mask_shape: tuple[int, ...]) -> list[InvalidCall]:
+    """The invalid calls every splash convention shares, through its ``make(mask=<causal>,
+    *, q_seq_shards=1, **block_sizes)`` (the kernel it builds) and its module's mask_lib
+    and SegmentIds; ``mask_shape``: the shape of the convention's mask."""
+    mask_lib = module.mask_lib
+    h, s, d = INVALID_HEADS, INVALID_LEN, INVALID_DIM
+    x = jnp.zeros((h, s, d), jnp.float32)
+
+    def call(*args, **changes):
+        return make(**changes)(*args)
+
+    return [
         InvalidCall("block_kv_not_multiple_of_compute", lambda: call(x, x, x, block_kv=256, block_kv_compute=192),
                     ValueError, r"bkv_compute"),
         InvalidCall("block_kv_compute_not_lane_multiple", lambda: call(x, x, x, block_kv_compute=64), ValueError,
@@ -308,28 +358,14 @@ def invalid_splash_calls(impl) -> list[InvalidCall]:
         InvalidCall("block_q_not_dividing", lambda: make(block_q=96), ValueError, r"q_block_size"),
         InvalidCall("block_kv_not_dividing", lambda: make(block_kv=96, block_kv_compute=96), ValueError,
                     r"kv_block_size"),
-        InvalidCall("block_kv_dq_not_lane_multiple", lambda: grad(block_kv_dq=64), ValueError, r"bkv=64"),
-        InvalidCall("block_kv_dkv_compute_above_block", lambda: grad(block_kv_dkv_compute=256), ValueError,
-                    r"bkv_compute=256"),
-        InvalidCall("no_backward_blocks", lambda: jax.grad(lambda q: impl(
-            causal, block_sizes=module.BlockSizes(128, 128), head_shards=1, q_seq_shards=1)(q, x, x).sum())(x),
-                    ValueError, r"backward blocks"),
-        InvalidCall("mask_2d", lambda: make(mask_lib.CausalMask((s, s))), ValueError, r"mask shape"),
-        InvalidCall("mask_not_bool", lambda: make(np.ones((h, s, s), np.int32)), ValueError, r"(?i)mask.*bool"),
-        InvalidCall("head_mask_shapes_differ", lambda: mask_lib.MultiHeadMask(
-            [mask_lib.CausalMask((s, s)), mask_lib.CausalMask((s, 2 * s))]), ValueError, r"mask shape"),
-        InvalidCall("multi_head_mask_nested", lambda: mask_lib.MultiHeadMask([causal]), ValueError,
-                    r"MultiHeadMask"),
+        InvalidCall("block_kv_dkv_compute_above_block", lambda: _grad_of(make(block_kv_dkv_compute=256), x),
+                    ValueError, r"bkv_compute=256"),
+        InvalidCall("mask_not_bool", lambda: make(np.ones(mask_shape, np.int32)), ValueError, r"(?i)mask.*bool"),
         InvalidCall("combined_mask_shapes_differ", lambda: mask_lib.CausalMask((s, s)) & mask_lib.FullMask((s, 2 * s)),
                     ValueError, r"shape"),
         InvalidCall("chunk_size_zero", lambda: mask_lib.ChunkedCausalMask((s, s), chunk_size=0), ValueError,
                     r"chunk_size"),
-        InvalidCall("head_shards_not_dividing", lambda: impl(causal, block_sizes=module.BlockSizes(**full),
-                                                             head_shards=3, q_seq_shards=1), ValueError,
-                    r"head_shards"),
-        InvalidCall("q_seq_shards_not_dividing", lambda: impl(causal, block_sizes=module.BlockSizes(**full),
-                                                              head_shards=1, q_seq_shards=3), ValueError,
-                    r"q_seq_shards"),
+        InvalidCall("q_seq_shards_not_dividing", lambda: make(q_seq_shards=3), ValueError, r"q_seq_shards"),
         InvalidCall("k_head_dim", lambda: call(x, x[..., :64], x), ValueError, r"'key' head dimension"),
         InvalidCall("kv_heads_not_dividing", lambda: call(x, *(jnp.zeros((3, s, d), jnp.float32),) * 2), ValueError,
                     r"'key' heads"),

@@ -89,18 +89,26 @@ def block_sizes(draw, q_len: int, kv_len: int, fused: bool) -> tuple[tuple[str, 
     return tuple(sizes.items()) + (() if fused else tuple(dq.items()))
 
 
+# How a case is sharded: (head_shards, q_seq_shards).
+SHARDINGS = ((1, 1), (2, 1), (1, 2))
+
+
 @st.composite
-def splash_cases(draw) -> Case[SplashParams]:
+def splash_cases(draw, *, shardings: tuple[tuple[int, int], ...] = SHARDINGS, per_head_masks: bool = True,
+                 fused_bwd: bool | st.SearchStrategy[bool] = st.booleans()) -> Case[SplashParams]:
+    """Splash cases; a convention that takes less draws less: ``shardings`` it shards by,
+    ``per_head_masks`` (one mask for every head when False), ``fused_bwd`` a value or a
+    strategy."""
     api, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim = draw(st.sampled_from(SHAPES))
-    head_shards, q_seq_shards = draw(st.sampled_from(((1, 1), (2, 1), (1, 2))))
+    head_shards, q_seq_shards = draw(st.sampled_from(shardings))
     if q_len // q_seq_shards < NUM_LANES:  # a q shard holds whole q blocks of a lane multiple
         q_seq_shards = 1
-    if draw(st.booleans()):  # a different mask per head
+    if per_head_masks and draw(st.booleans()):  # a different mask per head
         masks = tuple(draw(mask_descriptions(q_len, kv_len)) for _ in range(heads))
     else:
         masks = (draw(mask_descriptions(q_len, kv_len)),) * heads
     segments = draw(st.sampled_from(("none", "packed")))
-    fused = draw(st.booleans())
+    fused = draw(fused_bwd) if isinstance(fused_bwd, st.SearchStrategy) else fused_bwd
     return Case(FAMILY, SplashParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), api=api, heads=heads, kv_heads=kv_heads, q_len=q_len,
         kv_len=kv_len, head_dim=head_dim, v_head_dim=v_head_dim, masks=masks, segments=segments,
