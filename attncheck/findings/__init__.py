@@ -57,6 +57,7 @@ class Finding:
 _SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention"
 _PAGED = "jax.experimental.pallas.ops.tpu.paged_attention"
 _FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
+_TOKAMAX_SPLASH = "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_kernel"
 FINDINGS = (
     Finding("rpa_empty_sequence_prefetch", "ragged_paged_attention", "jax.experimental.pallas.ops.tpu."
             "ragged_paged_attention", "a sequence with q_len = kv_len = 0 makes the next sequence attend to the "
@@ -109,6 +110,21 @@ FINDINGS = (
             "query_seq_lengths becomes mask.q_end, a fully masked row",
             "tokamax/_src/ops/attention/api.py 140-149, base.py 235-236", "bug_class:q_padding",
             since="tokamax 0.0.17", package="tokamax", declared_in="tests/third_party/tokamax.toml"),
+    *(Finding(f"tokamax_splash_{name}", "splash_attention_config", _TOKAMAX_SPLASH, title, source, held_as,
+              since="tokamax 0.0.17", package="tokamax", declared_in="tests/third_party/tokamax.toml")
+      for name, title, source, held_as in (
+          ("diag_skip_offset", "qk_diag_skip or sv_diag_skip with a CausalMask whose offset is not a whole number "
+           "of blocks skips visible sub-tiles: out and gradients silently wrong (SplashConfig promises it raises)",
+           "splash_attention_kernel.py 739-770, 2894-2903", "bug_class:diag_skip_offset_inside_block"),
+          ("backward_block_nan", "as in jax's splash: a forward q block without visible keys inside a larger "
+           "backward q block makes dq, dk, dv NaN", "splash_attention_kernel.py 608-958, 1871-2193",
+           "bug_class:forward_nan_rows_reach_backward"),
+          ("empty_mask", "a mask that hides every key: the kernel's call stops at an IndexError from inside jax's "
+           "scatter, naming no argument", "splash_attention_mask_info.py 42-45, splash_attention_kernel.py 1255",
+           "bug_class:every_key_hidden"),
+          ("kv_longer_than_mask", "a kernel built for a mask of K keys takes a call with more keys without an "
+           "error (a FullMask then attends to every key)", "splash_attention_kernel.py 1183-1236",
+           "invalid_call:kv_longer_than_mask"))),
 )
 
 

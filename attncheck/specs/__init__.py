@@ -15,6 +15,7 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.ragged_v3",
     "attncheck.specs.ring",
     "attncheck.specs.splash",
+    "attncheck.specs.splash_config",
     "attncheck.specs.paged",
     "attncheck.specs.dpa",
 )

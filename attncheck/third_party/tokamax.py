@@ -1,15 +1,17 @@
-"""tokamax's ``dot_product_attention`` (``PIN``), one gate implementation per path it
-ships, for the ``dot_product_attention`` family::
+"""tokamax (``PIN``) for the families it fits: its ``dot_product_attention``, one gate
+implementation per path it ships, and its splash rewrite for ``splash_attention_config``::
 
     --attncheck-impl dot_product_attention=attncheck.third_party.tokamax:dot_product_attention_mosaic
     --attncheck-impl dot_product_attention=attncheck.third_party.tokamax:dot_product_attention_xla
+    --attncheck-impl splash_attention_config=attncheck.third_party.tokamax:make_splash_mha
 
 tokamax installs beside the pinned jax (``pip install 'attncheck[third-party]'``). Its
 ``mosaic`` path is the Pallas TPU kernel; off a TPU tokamax refuses it ("Not supported on
 cpu") unless its device check is bypassed (``bypass_device_check``), which is what the
 interpret backends need: they run it in forced interpret mode. Without the bypass,
 ``tokamax.dot_product_attention`` with its default implementations falls back to XLA,
-and the interpret backends record that no Pallas kernel ran.
+and the interpret backends record that no Pallas kernel ran. Its splash kernel checks no
+device: the interpret backends run it as shipped.
 """
 
 from __future__ import annotations
@@ -61,3 +63,15 @@ def _path(name: str, *, bypass_device_check: bool):
 # admits no other size), so a sequence must be too.
 dot_product_attention_mosaic = domain.declare(sequence_multiple=128)(_path("mosaic_tpu", bypass_device_check=True))
 dot_product_attention_xla = _path("xla", bypass_device_check=False)
+
+
+SPLASH = "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_kernel"
+
+
+def __getattr__(name: str):
+    # tokamax's own make_splash_mha (its module supplies the convention's types), loaded
+    # only when asked for: importing this module needs no tokamax.
+    if name != "make_splash_mha":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    load()
+    return importlib.import_module(SPLASH).make_splash_mha

@@ -1,7 +1,9 @@
-"""tokamax's dot_product_attention through the family it fits: its Pallas path (mosaic_tpu)
-verified in interpret mode with the configurations it refuses declared and counted, its
-XLA path with its padded-rows finding declared, and its default (which falls back to XLA
-off a TPU) never credited to an interpret backend. Skipped, with the reason, where tokamax
+"""tokamax through the families it fits. Its dot_product_attention: the Pallas path
+(mosaic_tpu) verified in interpret mode with the configurations it refuses declared and
+counted, its XLA path with its padded-rows finding declared, and its default (which falls
+back to XLA off a TPU) never credited to an interpret backend. Its splash rewrite through
+splash_attention_config on every backend, each of its findings a declared deviation that
+occurs. Skipped, with the reason, where tokamax
 is not installed (``pip install 'attncheck[third-party]'``)."""
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ EXPECTATIONS = ROOT / "tests" / "third_party" / "tokamax.toml"
 FAMILY = "dot_product_attention"
 MOSAIC = "attncheck.third_party.tokamax:dot_product_attention_mosaic"
 XLA = "attncheck.third_party.tokamax:dot_product_attention_xla"
+SPLASH = "attncheck.third_party.tokamax:make_splash_mha"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,13 +36,13 @@ def tokamax():
         pytest.skip(f"tokamax is not available here: {exc}")
 
 
-def _gate(report: pathlib.Path, impl: str, backend: str, *args: str):
+def _gate(report: pathlib.Path, impl: str, backend: str | None, *args: str, family: str = FAMILY):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_STEP_SUMMARY"))}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", FAMILY,
-                           "--attncheck-impl", f"{FAMILY}={impl}", "--attncheck-backend", backend,
-                           "--attncheck-report", str(report), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1200)
+    backends = ("--attncheck-backend", backend) if backend else ()
+    proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", family,
+                           "--attncheck-impl", f"{family}={impl}", *backends, "--attncheck-report", str(report),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     return proc, json.loads((report / "report.json").read_text())
 
 
@@ -74,3 +77,20 @@ def test_tokamax_default_falls_back_to_xla_and_is_not_credited_to_interpret(tmp_
     assert proc.returncode != 0 and report["verdict"] != "PASS", (proc.stdout + proc.stderr)[-3000:]
     assert not [r for r in report["records"] if r["outcome"] == "pass"]
     assert any("no Pallas kernel ran on interpret" in (r.get("reason") or "") for r in report["records"])
+
+
+def test_splash_passes_on_every_backend_with_its_findings_declared(tmp_path):
+    proc, report = _gate(tmp_path / "declared", SPLASH, None, "--attncheck-expectations", str(EXPECTATIONS),
+                         "--attncheck-require-coverage", family="splash_attention_config")
+    assert proc.returncode == 0 and report["verdict"] == "PASS", (proc.stdout + proc.stderr)[-3000:]
+    ran = {r["backend"] for r in report["records"] if r["outcome"] == "pass"}
+    assert {"interpret", "interpret-hazards", "tpu-lower"} <= ran, ran
+    declared = {d["entry"]["name"]: d["status"] for d in report["deviations"] if d["entry"]["implementation"] == SPLASH}
+    assert declared == dict.fromkeys(("diag_skip_offset_inside_block", "forward_nan_rows_reach_backward",
+                                      "every_key_hidden", "kv_longer_than_mask"), "occurs"), declared
+
+    proc, report = _gate(tmp_path / "undeclared", SPLASH, "interpret", "-k", "matches_oracle",
+                         family="splash_attention_config")
+    failing = {c for r in report["records"] if r["outcome"] in ("fail", "error") for c in r["classes"]}
+    assert report["verdict"] == "FAIL" and {"diag_skip_offset_inside_block", "forward_nan_rows_reach_backward",
+                                            "every_key_hidden"} <= failing, sorted(failing)
