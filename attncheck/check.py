@@ -24,7 +24,7 @@ from attncheck.backends import Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin, release_when_mappings_run_out
 from attncheck.domain import DECLARED as DOMAIN_REFUSAL
-from attncheck.domain import Domain
+from attncheck.domain import Domain, taken
 from attncheck.domain import of as domain_of
 from attncheck.expectations import (
     BUG_CLASS,
@@ -88,11 +88,13 @@ class Target:
         return domain_of(self.impl)
 
     def fit(self, case: Case) -> Case:
-        """The case fitted to the implementation's declared sequence multiple."""
-        multiple = self.domain.sequence_multiple
-        if multiple == 1:
-            return case
-        return Case(case.family, self.spec.fit_sequences(case.params, multiple), case.seed)
+        """The case fitted to the implementation's declared domain: the parameters it takes
+        one value of, and its sequence multiple."""
+        declared = self.domain
+        params = taken(declared, case.params)
+        if declared.sequence_multiple > 1:
+            params = self.spec.fit_sequences(params, declared.sequence_multiple)
+        return case if params == case.params else Case(case.family, params, case.seed)
 
     def refusal(self, case: Case) -> str | None:
         """Why the implementation's declared domain leaves this case out (None: it takes it)."""

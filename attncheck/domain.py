@@ -7,6 +7,9 @@ each drawn sequence length up to a multiple, keeping what the classes read of th
 (``KernelSpec.fit_sequences``: T < S stays T < S), so the drawn cases still reach every
 class the implementation can take. A class that cannot survive the fit (one query token
 under tiles of 128) is then a coverage hole, named by ``--attncheck-require-coverage``.
+``takes`` names parameters the implementation takes one value of (tpu-inference's
+``kernel_hd64.py`` takes head_dim 64 alone): the draws are set to it, as to a sequence
+multiple, so they still reach what the implementation can take.
 ``supports`` is a predicate over a case's params: a case outside it is not run, and its
 record says *unsupported by the implementation* (never a pass, listed with its classes),
 as for a refusal declared in a table of expectations (``attncheck.expectations``)::
@@ -19,7 +22,7 @@ as for a refusal declared in a table of expectations (``attncheck.expectations``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 ATTRIBUTE = "attncheck_domain"
@@ -36,8 +39,12 @@ class Domain:
     sequence_multiple: int = 1
     supports: Callable[[Any], bool] | None = None
     description: str = ""
+    takes: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # params field -> its one value
 
     def __post_init__(self):
+        if not isinstance(self.takes, Mapping) or not all(isinstance(k, str) for k in self.takes):
+            raise TypeError(f"Domain: takes must map parameter names to the one value each takes, got "
+                            f"{self.takes!r}")
         if isinstance(self.sequence_multiple, bool) or not isinstance(self.sequence_multiple, int) \
                 or self.sequence_multiple < 1:
             raise ValueError(f"Domain: sequence_multiple must be a positive int, got {self.sequence_multiple!r}")
@@ -53,12 +60,28 @@ class Domain:
         (``fit``: the family's ``fit_sequences``)."""
         if self.sequence_multiple > 1 and fit(params, self.sequence_multiple) != params:
             return f"its sequence lengths are multiples of {self.sequence_multiple}; this case's are not"
+        for name, value in self.takes.items():
+            if getattr(params, name) != value:
+                return f"it takes {name}={value!r} alone; this case has {getattr(params, name)!r}"
         if self.supports is not None and not self.supports(params):
             return f"outside its declared domain ({self.description})"
         return None
 
 
 FULL = Domain()
+
+
+def check_takes(declared: Domain, params_type: type) -> None:
+    """That every parameter ``declared`` takes one value of is a field of the family's
+    params (a typo would otherwise fit nothing and refuse every case)."""
+    unknown = sorted(set(declared.takes) - {f.name for f in dataclasses.fields(params_type)})
+    if unknown:
+        raise ValueError(f"Domain: takes names {unknown}, which are not parameters of {params_type.__name__}")
+
+
+def taken(declared: Domain, params):
+    """``params`` with each parameter the domain takes one value of set to that value."""
+    return dataclasses.replace(params, **declared.takes) if declared.takes else params
 
 
 def round_up(length: int, multiple: int) -> int:

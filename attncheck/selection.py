@@ -70,11 +70,12 @@ class Options:
             if not sep or family not in known:
                 raise SelectionError(f"--attncheck-impl {value!r}: expected FAMILY=package.module:function "
                                      f"with FAMILY one of {', '.join(sorted(known))}")
+            spec = known[family]
             try:
                 declared = domain.of(resolve_impl(ref))  # fail at startup, not in the middle of the gate
+                domain.check_takes(declared, spec.params_type)
             except (ValueError, TypeError) as exc:
                 raise SelectionError(f"--attncheck-impl {value!r}: {exc}") from exc
-            spec = known[family]
             if declared.sequence_multiple > 1 and type(spec).fit_sequences is KernelSpec.fit_sequences:
                 raise SelectionError(f"--attncheck-impl {value!r}: the implementation declares sequences of "
                                      f"multiples of {declared.sequence_multiple}, and family {family!r} cannot fit "

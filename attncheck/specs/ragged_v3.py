@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
-from attncheck import backends, bugclasses, oracle, parameters, yardstick
+from attncheck import backends, bugclasses, domain, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
@@ -429,9 +429,11 @@ class RaggedV3Spec(KernelSpec[RaggedV3Params]):
 
 
 def invalid_v3_calls(impl) -> list[InvalidCall]:
-    """The calls the convention rejects, each naming its argument."""
-    tokens, hq, hkv, head_dim, page_size, pages_per_seq = 8, 4, 2, 128, 16, 4
-    cache_shape = (8, page_size, 2 * hkv // 2, 2, head_dim)
+    """The calls the convention rejects, each naming its argument, of the head_dim the
+    implementation takes (its Domain)."""
+    tokens, hq, hkv, page_size, pages_per_seq = 8, 4, 2, 16, 4
+    head_dim = domain.of(impl).takes.get("head_dim", 128)
+    cache_shape = (8, page_size, 2 * hkv // 2, 2, -(-head_dim // 128) * 128)
     bf16 = ml_dtypes.bfloat16
     good = dict(queries=np.zeros((tokens, hq, head_dim), bf16), keys=np.zeros((tokens, hkv, head_dim), bf16),
                 values=np.zeros((tokens, hkv, head_dim), bf16), kv_cache=np.zeros(cache_shape, bf16),

@@ -73,3 +73,27 @@ def test_a_sequence_multiple_for_a_family_that_cannot_fit_its_draws_stops_the_ru
         selection.Options(impls=(f"flash_attention={TILED}",)).impl_overrides()
     assert selection.Options(impls=(f"dot_product_attention={TILED}",)).impl_overrides() == {
         "dot_product_attention": TILED}
+
+
+@domain.declare(takes={"dtype": "float32"})
+def float32_attention(query, key, value, bias=None, mask=None, **kwargs):
+    return jax.nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
+
+
+def test_a_parameter_the_implementation_takes_one_value_of_is_set_in_its_draws():
+    target = check.Target(dpa.SPEC, "user", float32_attention, BACKENDS["xla"], ref=f"{__name__}:float32_attention")
+    bf16 = next(c for c in coverage.examples(dpa.SPEC) if c.params.dtype == "bfloat16")
+    fitted = target.fit(bf16)
+    assert fitted.params == dataclasses.replace(bf16.params, dtype="float32") and fitted.seed == bf16.seed
+    assert target.refusal(fitted) is None
+    [record] = check.check_case(target, bf16).records
+    assert record.reason == (f"{check.UNSUPPORTED_BY_IMPLEMENTATION}it takes dtype='float32' alone; this case has "
+                             "'bfloat16'")
+
+
+def test_a_parameter_the_family_does_not_have_stops_the_run():
+    misspelt = domain.declare(takes={"d_type": "float32"})(lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"takes names \['d_type'\], which are not parameters of DPAParams"):
+        domain.check_takes(domain.of(misspelt), dpa.SPEC.params_type)
+    with pytest.raises(TypeError, match="takes must map parameter names"):
+        domain.Domain(takes=["dtype"])

@@ -103,3 +103,22 @@ def test_the_gate_on_the_shipped_kernel_passes_with_its_deviations_declared_and_
     assert not [r for r in report["records"] if "unsupported by interpret mode" in (r.get("reason") or "")]
     proc, report = gate(tmp_path / "undeclared", "-k", "invalid")
     assert proc.returncode != 0 and report["verdict"] == "FAIL", (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_the_hd64_kernel_is_verified_on_its_head_dim_with_its_deviations_declared(wheel, tmp_path):
+    # kernel_hd64.py takes head_dim 64 alone (its Domain): the draws are set to it. Its
+    # distribution_decreasing call does not return (the watchdog would end the worker).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_STEP_SUMMARY"))}
+    env["PYTHONPATH"] = str(ROOT)
+    report_dir = tmp_path / "hd64"
+    proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", ragged_v3.FAMILY,
+                           "--attncheck-impl", f"{ragged_v3.FAMILY}={IMPL}_hd64", "--attncheck-backend", "interpret",
+                           "--attncheck-expectations", str(EXPECTATIONS), "--attncheck-report", str(report_dir),
+                           "-k", "coverage or invalid and not distribution_decreasing"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    report = json.loads((report_dir / "report.json").read_text())
+    assert proc.returncode == 0 and report["verdict"] == "PASS", (proc.stdout + proc.stderr)[-3000:]
+    ran = [r for r in report["records"] if r["outcome"] == "pass"]
+    assert len({r["case_id"] for r in ran}) >= 10
+    assert {r["case"]["params"]["head_dim"] for r in ran} == {64}
+    assert {r["case"]["params"]["out_dtype"] for r in ran} == {None}
