@@ -113,9 +113,15 @@ def cmd_gate(args, extra: list[str]) -> int:
     arguments go to pytest (more test paths, -k, --attncheck-impl, ...)."""
     if any(a in ("-h", "--help") for a in extra):
         return _gate_help()
+    from attncheck import env
+
     profile = [] if any(a.startswith("--hypothesis-profile") for a in extra) else ["--hypothesis-profile=ci"]
     command = [sys.executable, "-m", "pytest", "--pyargs", "attncheck.gate", "--attncheck", *profile,
                *_at_least_one_worker(_values_joined(extra))]
+    # Set here, inherited by pytest: another pytest plugin (jaxtyping's) imports NumPy before
+    # attncheck's plugin could set its environment, and NumPy's kernels are chosen at import.
+    # This process computes nothing: what it had imported already does not matter.
+    env.configure()
     rc = subprocess.call(command)
     if rc == 5:  # pytest's "no tests collected": the report says NO CASES; the exit says failure
         print("attncheck gate: no tests were collected", file=sys.stderr)

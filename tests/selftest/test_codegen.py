@@ -98,3 +98,19 @@ def test_an_unknown_instruction_set_is_named(monkeypatch):
     monkeypatch.setenv(env.ISA_ENV, "AVX3")
     with pytest.raises(ValueError, match=r"\$ATTNCHECK_CPU_ISA='AVX3': expected one of SSE4_2, AVX, AVX2, AVX512"):
         env.requested_isa()
+
+
+@pytest.mark.skipif(not X86, reason="NumPy's kernels are capped on x86-64 only")
+def test_the_gate_fixes_numpy_before_a_plugin_that_imports_it_first(tmp_path):
+    # A pytest plugin of the environment that imports NumPy when it is loaded, before
+    # attncheck's plugin is configured (jaxtyping's does): it sees what NumPy was started with.
+    (tmp_path / "early_numpy.py").write_text(
+        "import os, pathlib, numpy\n"
+        f"pathlib.Path({str(tmp_path / 'seen')!r}).write_text(os.environ.get({env.NUMPY_DISABLE_ENV!r}, ''))\n")
+    clean = {k: v for k, v in os.environ.items() if k not in (env.NUMPY_DISABLE_ENV, env.ISA_ENV)
+             and not k.startswith("PYTEST_")}
+    clean["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO_ROOT)])
+    # --markers: pytest loads its plugins, lists its markers and stops.
+    subprocess.run([sys.executable, "-m", "attncheck", "gate", "-p", "early_numpy", "--markers"], cwd=tmp_path,
+                   env=clean, capture_output=True, text=True, timeout=600)
+    assert (tmp_path / "seen").read_text() == " ".join(env.X86_LEVELS[env.FIXED_ISA][1])
