@@ -2,7 +2,8 @@
 (and in third-party kernels: ``Finding.package``), with a standalone reproducer and an
 issue draft beside this module.
 
-``repro_<id>.py`` needs only jax and numpy (and the third-party package; never attncheck), builds its input literally,
+``repro_<id>.py`` needs only jax and numpy (and the third-party package; never attncheck, except
+on CPU for a kernel the interpreter cannot run alone: ``Finding.fetched_by``), builds its input literally,
 calls the kernel as its users do in interpret mode on CPU, prints the kernel against a
 plain reference at the worst element, and exits 1 with an AssertionError while the
 deviation is present (0 once it is fixed). ``issue_<id>.md`` is the report a jax
@@ -42,6 +43,11 @@ class Finding:
     # the table of expectations (from the repository root) that declares its deviation.
     package: str | None = None
     declared_in: str | None = None
+    # A kernel jax's interpreter cannot run by itself, from a package that cannot be imported
+    # on CPU: the attncheck.third_party module whose ``PIN`` fetches its files. On CPU its
+    # reproducer takes them from there and runs under attncheck.interpret_compat; on a TPU it
+    # imports the package alone.
+    fetched_by: str | None = None
 
     @property
     def reproducer(self) -> pathlib.Path | None:
@@ -57,6 +63,7 @@ class Finding:
 _SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention"
 _PAGED = "jax.experimental.pallas.ops.tpu.paged_attention"
 _FLASH = "jax.experimental.pallas.ops.tpu.flash_attention"
+_V3 = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
 _TOKAMAX_SPLASH = "tokamax._src.ops.experimental.tpu.splash_attention.splash_attention_kernel"
 FINDINGS = (
     Finding("rpa_empty_sequence_prefetch", "ragged_paged_attention", "jax.experimental.pallas.ops.tpu."
@@ -125,6 +132,17 @@ FINDINGS = (
           ("kv_longer_than_mask", "a kernel built for a mask of K keys takes a call with more keys without an "
            "error (a FullMask then attends to every key)", "splash_attention_kernel.py 1183-1236",
            "invalid_call:kv_longer_than_mask"))),
+    *(Finding(f"tpu_inference_v3_{name}", "ragged_paged_attention_v3", _V3, title, source, held_as,
+              since="tpu-inference 0.32.0", package="tpu_inference", declared_in="tests/third_party/tpu_inference.toml",
+              fetched_by="attncheck.third_party.tpu_inference")
+      for name, title, source, held_as in (
+          ("windowed_cache_write", "with a sliding window, the new K/V of a sequence whose queries span several q "
+           "blocks do not all reach the updated cache (the output stays right): kv blocks before the last q block's "
+           "window are never written", "v3/kernel.py 939-942, 984-992",
+           "bug_class:windowed_new_tokens_over_several_q_blocks"),
+          ("out_dtype_wider", "out_dtype=float32 with bfloat16 queries stops the call at a reshape error from the "
+           "kernel's output store (the output aliases the queries' buffer); static_validate_inputs deletes out_dtype "
+           "unchecked", "v3/kernel.py 1083-1089, 1490, 1860-1863", "bug_class:accumulator_wider_than_queries"))),
 )
 
 

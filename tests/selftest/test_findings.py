@@ -4,6 +4,7 @@ still reproduces on the pinned jax; each is held by the gate as the family decla
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import pathlib
 import subprocess
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from attncheck import expectations, findings, specs
+from attncheck import expectations, findings, specs, third_party
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -25,16 +26,28 @@ def test_every_finding_not_by_design_has_a_reproducer_and_an_issue_draft():
 
 @pytest.mark.parametrize("finding", FILED, ids=lambda f: f.id)
 def test_the_reproducer_needs_only_jax_and_numpy_and_still_reproduces(finding, tmp_path):
-    if finding.package is not None:
+    # A clean environment: no PYTHONPATH, nothing of attncheck's setup, another directory.
+    clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    allowed = {"jax", "jaxlib", "numpy", finding.package}
+    if finding.fetched_by is not None:
+        pin = importlib.import_module(finding.fetched_by).PIN
+        try:
+            clean[pin.wheel_env] = str(third_party.fetch_wheel(pin))
+        except third_party.Unavailable as exc:
+            pytest.skip(f"{pin.requirement}'s wheel is not available here: {exc}")
+        allowed.add("attncheck")
+    elif finding.package is not None:
         pytest.importorskip(finding.package, reason=f"{finding.package} is not installed "
                                                     "(pip install 'attncheck[third-party]')")
     tree = ast.parse(finding.reproducer.read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported - set(sys.stdlib_module_names) <= {"jax", "jaxlib", "numpy", finding.package}, imported
-    # A clean environment: no PYTHONPATH, nothing of attncheck's setup, another directory.
-    clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    # Every name imported, dotted: a module, or what a ``from`` import takes from one.
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 for alias in node.names}
+    assert {name.split(".")[0] for name in imported} - set(sys.stdlib_module_names) <= allowed, imported
+    # attncheck only for what the interpreter lacks and for the wheel's files: no oracle, nothing of the gate.
+    assert {name for name in imported if name.startswith("attncheck")} <= {"attncheck.interpret_compat",
+                                                                           finding.fetched_by}, imported
     proc = subprocess.run([sys.executable, str(finding.reproducer)], cwd=tmp_path, env=clean, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0, (f"finding {finding.id} no longer reproduces on {findings.SINCE}: fixed upstream? "
