@@ -111,7 +111,7 @@ class Backend:
         if settings:
             try:
                 with interpret_compat.emulated_tpu(self.tpu_device_kind), interpret_compat.ref_views(), \
-                        interpret_compat.vmapped_grids(), \
+                        interpret_compat.vmapped_grids(), interpret_compat.empty_accesses(), \
                         interpret_compat.host_callbacks() as calls, \
                         (interpret_compat.ordered_collectives() if devices > 1 else contextlib.nullcontext()), \
                         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**settings)):

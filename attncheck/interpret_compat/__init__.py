@@ -12,7 +12,9 @@ Each patch is scoped to a ``with`` block that leaves jax exactly as it found it 
 - ``callbacks``: ``host_callbacks()``, the interpreter's host callbacks without jax's move
   of every operand onto a device and back, counted (``InterpretedCalls``: did a kernel run);
 - ``collectives``: ``ordered_collectives()`` with ``in_collective_order(fn)``, every
-  collective in program order with the interpreted kernels.
+  collective in program order with the interpreted kernels;
+- ``races``: ``empty_accesses()``, the race detector's judgement of a zero-length access
+  (it touches nothing).
 
 ``limitations`` names what interpret mode cannot run, and errors raised inside its
 callbacks, in one line each. It imports nothing of jax, and the patches are imported on
@@ -32,6 +34,7 @@ _EXPORTS = {
     "InterpretedCalls": "callbacks",
     "in_collective_order": "collectives",
     "ordered_collectives": "collectives",
+    "empty_accesses": "races",
     "UNSUPPORTED_PREFIX": "limitations",
     "callback_error_line": "limitations",
     "exception_chain": "limitations",

@@ -109,9 +109,11 @@ def _result_dtype(transforms, dtype: np.dtype) -> np.dtype:
 
 
 def _box(flat: np.ndarray, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
-    """The strided box of the view that holds exactly these flat positions, or None."""
+    """The strided box of the view that holds exactly these flat positions, or None. No
+    positions (a zero-length DMA) make an empty box: the access touches nothing, which is
+    what the race and out-of-bounds checks then see."""
     if flat.size == 0:
-        return None
+        return tuple(slice(0, 0, 1) for _ in shape)
     coords = np.unravel_index(flat, shape)
     box, count = [], 1
     for axis_coords in coords:

@@ -582,3 +582,101 @@ def test_a_vmapped_kernel_interprets_only_with_its_vmapped_dims_parallel():
         np.testing.assert_array_equal(np.asarray(_doubled_rows(x)), 2 * np.asarray(x))
     with backends.BACKENDS["interpret"].context():
         np.testing.assert_array_equal(np.asarray(_doubled_rows(x)), 2 * np.asarray(x))
+
+
+# ----------------------------------------------------------------- zero-length accesses
+
+
+def _race_between(first_range, second_range) -> bool:
+    """Whether jax's race detector reports two writes of one buffer by two DMAs whose
+    clocks are unordered (neither happened before the other)."""
+    from jax._src.pallas.mosaic.interpret import race_detection_state as races
+    from jax._src.pallas.mosaic.interpret import vector_clock
+
+    state = races.RaceDetectionState()
+    first, second = vector_clock.NpVectorClock(2), vector_clock.NpVectorClock(2)
+    first.inc(0)
+    second.inc(1)
+    state.check_write((106, 0), first, ("vmem", 110, 0, 0), first_range)
+    try:
+        state.check_write((109, 0), second, ("vmem", 110, 0, 0), second_range)
+    except RuntimeError as exc:
+        assert "RACE DETECTED" in str(exc)
+        return True
+    return False
+
+
+# v3's: a zero-length copy at token 160 of a kv buffer, another copy of tokens 157-165.
+EMPTY, SPANNING = (0, slice(160, 160), slice(0, 2)), (0, slice(157, 166), slice(0, 2))
+
+
+def test_jaxs_race_detector_takes_a_zero_length_access_for_one():
+    assert _race_between(EMPTY, SPANNING)
+    assert _race_between(SPANNING, EMPTY)
+
+
+def test_within_empty_accesses_a_zero_length_access_races_with_nothing_and_is_undone_on_exit():
+    with ic.empty_accesses():
+        assert not _race_between(EMPTY, SPANNING) and not _race_between(SPANNING, EMPTY)
+        # One element is an access: overlapping writes still race, disjoint ones do not.
+        assert _race_between((0, slice(160, 161), slice(0, 2)), SPANNING)
+        assert _race_between((0, 160, slice(None)), SPANNING)
+        assert not _race_between((0, slice(166, 170), slice(0, 2)), SPANNING)
+        assert not _race_between((1, slice(160, 161), slice(0, 2)), SPANNING)
+    assert _race_between(EMPTY, SPANNING)
+
+
+def test_the_hazard_backend_judges_zero_length_accesses_as_empty():
+    with backends.BACKENDS["interpret-hazards"].context():
+        assert not _race_between(EMPTY, SPANNING)
+    assert _race_between(EMPTY, SPANNING)
+
+
+def _write_page_0_while_reading_n_tokens_of_it(n_ref, x_hbm, o_hbm, buf, sem):
+    """Two cores: one writes page 0 of the (reshaped) HBM output while the other copies
+    ``n`` tokens of page 0 out of it, as v3 copies a kv block's pages (zero tokens for a
+    page past a sequence's end)."""
+    del x_hbm
+    flat = o_hbm.reshape(o_hbm.shape[0] * o_hbm.shape[1], *o_hbm.shape[2:])
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        buf[...] = jnp.ones_like(buf)
+        copy = pltpu.make_async_copy(buf, flat.at[pl.ds(0, 16)], sem)
+        copy.start()
+        copy.wait()
+
+    @pl.when(pl.program_id(0) == 1)
+    def _():
+        # Page 2 (which the other core leaves alone) first: a wait of zero bytes on a
+        # semaphore never signaled stops jax's interpreter ("assert clock is not None").
+        for copy in (pltpu.make_async_copy(flat.at[pl.ds(32, 16)], buf, sem),
+                     pltpu.make_async_copy(flat.at[pl.ds(0, n_ref[0])], buf.at[pl.ds(0, n_ref[0])], sem)):
+            copy.start()
+            copy.wait()
+
+
+def _two_cores_on_page_0(tokens: int):
+    return pl.pallas_call(
+        _write_page_0_while_reading_n_tokens_of_it, out_shape=jax.ShapeDtypeStruct(PAGES.shape, PAGES.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,), in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.HBM),
+            scratch_shapes=[pltpu.VMEM((16, 2, 128), jnp.float32), pltpu.SemaphoreType.DMA(())]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        input_output_aliases={1: 0})(jnp.array([tokens], jnp.int32), PAGES)
+
+
+@pytest.mark.parametrize("seed", range(len(backends.HAZARD_VARIANTS)))
+def test_a_zero_length_dma_from_a_reshaped_ref_reads_nothing_on_every_hazard_variant(seed):
+    """The zero-token copy touches no element of page 0: no race with the other core's
+    write (a copy of the whole view was one); a copy of its 16 tokens is one."""
+    hazards = backends.BACKENDS["interpret-hazards"]
+    with hazards.context(seed=seed, cores=2):
+        got = np.asarray(_two_cores_on_page_0(0))
+    want = PAGES.copy()
+    want[0] = 1.0
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(Exception, match="RACE DETECTED"):
+        with hazards.context(seed=seed, cores=2):
+            np.asarray(_two_cores_on_page_0(16))
