@@ -142,7 +142,11 @@ FINDINGS = (
            "bug_class:windowed_new_tokens_over_several_q_blocks"),
           ("out_dtype_wider", "out_dtype=float32 with bfloat16 queries stops the call at a reshape error from the "
            "kernel's output store (the output aliases the queries' buffer); static_validate_inputs deletes out_dtype "
-           "unchecked", "v3/kernel.py 1083-1089, 1490, 1860-1863", "bug_class:accumulator_wider_than_queries"))),
+           "unchecked", "v3/kernel.py 1083-1089, 1490, 1860-1863", "bug_class:accumulator_wider_than_queries"),
+          ("inexact_mask_value_nan", "a mask value bfloat16 rounds away from zero (-1e30) makes a windowed row NaN "
+           "when its first compute chunk hides every key: the running max, rounded to the output dtype, lies below "
+           "the logits and exp overflows", "v3/kernel.py 496-512, 939-942",
+           "bug_class:inexact_mask_value_over_a_hidden_chunk"))),
 )
 
 

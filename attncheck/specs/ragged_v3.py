@@ -211,6 +211,28 @@ def windowed_new_tokens_over_several_q_blocks(p: RaggedV3Params) -> bool:
         p.kind_of(s) == "mixed" and q > chosen["m_block_sizes"][0] for s, (q, _) in enumerate(p.seqs))
 
 
+_BLOCK_SIZES_OF_KIND = {"decode": "d_block_sizes", "chunked_prefill": "p_block_sizes", "mixed": "m_block_sizes"}
+
+
+def inexact_mask_value_over_a_hidden_chunk(p: RaggedV3Params) -> bool:
+    """A caller's mask value that the working precision (the output dtype's) rounds away from
+    zero, and a windowed query whose kv loop starts a whole compute chunk before its first
+    visible key: that chunk's logits are all the mask value, and a running max kept in the
+    working precision lies below them (exp overflows). Known block sizes only."""
+    working = p.out_dtype or ("float32" if p.dtype == "float32" else "bfloat16")
+    if p.mask_value is None or p.sliding_window is None or BLOCKS[p.blocks] is None or working == "float32":
+        return False
+    if float(np.float32(p.mask_value).astype(S.DTYPES[working])) >= float(np.float32(p.mask_value)):
+        return False
+    for s, (q, k) in enumerate(p.seqs):
+        bq, bkv, _, bkv_csz = BLOCKS[p.blocks][_BLOCK_SIZES_OF_KIND[p.kind_of(s)]]
+        for first_row in range(k - q, k, bq):  # each q block's first query, the one that sees the least
+            loop_start = max(first_row - p.sliding_window, 0) // bkv * bkv
+            if max(first_row - p.sliding_window + 1, 0) - loop_start >= bkv_csz:
+                return True
+    return False
+
+
 def new_tokens_cross_a_page(p: RaggedV3Params) -> bool:
     """A sequence's new tokens are written into two pages or more."""
     return any((k - q) // p.page_size != (k - 1) // p.page_size for q, k in p.seqs)
@@ -267,6 +289,7 @@ class RaggedV3Spec(KernelSpec[RaggedV3Params]):
         window_clips_keys=lambda p: p.sliding_window is not None and any(k > p.sliding_window for _, k in p.seqs),
         window_starts_past_first_kv_block=window_starts_past_first_kv_block,
         windowed_new_tokens_over_several_q_blocks=windowed_new_tokens_over_several_q_blocks,
+        inexact_mask_value_over_a_hidden_chunk=inexact_mask_value_over_a_hidden_chunk,
         soft_cap=_several_keys(lambda p: p.soft_cap is not None),
         q_scale=_several_keys(lambda p: p.q_scale is not None),
         kv_scales=_several_keys(lambda p: p.k_scale is not None),
@@ -299,7 +322,15 @@ class RaggedV3Spec(KernelSpec[RaggedV3Params]):
             dtype="float32", kv_dtype="float32", head_dim=128, page_size=8, num_q_heads=2, num_kv_heads=2,
             seqs=((1, 30), (20, 50)), distribution=(1, 1, 2), chunk_prefill_size=None, sliding_window=5,
             soft_cap=None, sm_scale=128 ** -0.5, q_scale=None, k_scale=None, v_scale=None, blocks="small",
-            values="normal"), 3)}
+            values="normal"), 3),
+        # A decode query at position 32 under a window of 1: its kv loop starts at key 0, and
+        # the first compute chunk (keys 0-15) hides every key from it; -1e30 rounds to
+        # -1.00026e30 in bfloat16.
+        "inexact_mask_value_over_a_hidden_chunk": Case(FAMILY, RaggedV3Params(
+            dtype="bfloat16", kv_dtype="bfloat16", head_dim=128, page_size=8, num_q_heads=2, num_kv_heads=2,
+            seqs=((1, 33), (1, 5)), distribution=(2, 2, 2), chunk_prefill_size=None, sliding_window=1,
+            soft_cap=None, sm_scale=128 ** -0.5, q_scale=None, k_scale=None, v_scale=None, blocks="small",
+            values="normal", mask_value=MASK_VALUE), 5)}
     contracts = (Contract("cache_update_is_exact", "the updated kv_cache holds each new token's K/V (zero pads "
                           "included) in its slot, bit for bit, and every other element as it was"),
                  Contract("rows_of_no_sequence_are_not_judged", "output rows of tokens past cu_q_lens[distribution[2]] "
