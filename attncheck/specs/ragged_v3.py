@@ -32,7 +32,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
 from attncheck.oracle.ragged_v3 import merged, packing
-from attncheck.report.errormap import ErrorMapLayout, every
+from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import (MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall, KernelSpec,
                                   accepted_keywords, positional_invalid_calls)
 
@@ -218,14 +218,18 @@ def inexact_mask_value_over_a_hidden_chunk(p: RaggedV3Params) -> bool:
     """A caller's mask value that the working precision (the output dtype's) rounds away from
     zero, and a windowed query whose kv loop starts a whole compute chunk before its first
     visible key: that chunk's logits are all the mask value, and a running max kept in the
-    working precision lies below them (exp overflows). Known block sizes only."""
+    working precision lies below them (exp overflows). Block sizes the kernel picks itself
+    are not known here: a chunk holds whole pages, so it may be one page, in the one kv
+    block these layouts' defaults give a sequence."""
     working = p.out_dtype or ("float32" if p.dtype == "float32" else "bfloat16")
-    if p.mask_value is None or p.sliding_window is None or BLOCKS[p.blocks] is None or working == "float32":
+    if p.mask_value is None or p.sliding_window is None or working == "float32":
         return False
     if float(np.float32(p.mask_value).astype(S.DTYPES[working])) >= float(np.float32(p.mask_value)):
         return False
     for s, (q, k) in enumerate(p.seqs):
-        bq, bkv, _, bkv_csz = BLOCKS[p.blocks][_BLOCK_SIZES_OF_KIND[p.kind_of(s)]]
+        chosen = BLOCKS[p.blocks]
+        bq, bkv, _, bkv_csz = ((q, k, q, p.page_size) if chosen is None
+                               else chosen[_BLOCK_SIZES_OF_KIND[p.kind_of(s)]])
         for first_row in range(k - q, k, bq):  # each q block's first query, the one that sees the least
             loop_start = max(first_row - p.sliding_window, 0) // bkv * bkv
             if max(first_row - p.sliding_window + 1, 0) - loop_start >= bkv_csz:
