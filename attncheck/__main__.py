@@ -219,7 +219,7 @@ def cmd_repro(args) -> int:
 def cmd_report(args) -> int:
     import dataclasses
 
-    from attncheck import accepted
+    from attncheck.report import accepted
     from attncheck.report import merge, render
     from attncheck.report import records as rec
 
@@ -277,7 +277,7 @@ def cmd_report_merge(args) -> int:
 
 
 def cmd_budgets_accept(args) -> int:
-    from attncheck import accepted
+    from attncheck.report import accepted
     from attncheck.report.model import SummaryRow
 
     report = _read_report(pathlib.Path(args.report))
@@ -516,7 +516,7 @@ def _add_report(parser, default=DEFAULT_REPORT) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from attncheck import accepted
+    from attncheck.report import accepted
 
     parser = argparse.ArgumentParser(prog="attncheck", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -150,7 +150,7 @@ def _version(package: str) -> str:
 class Platform:
     """What the numbers of a run belong to: two runs on equal platforms compute the same
     records, bit for bit; budgets accepted on one platform are not judged on another
-    (``attncheck.accepted``). ``cpu`` only informs."""
+    (``attncheck.report.accepted``). ``cpu`` only informs."""
 
     machine: str  # x86_64, aarch64
     isa: str  # the instruction set XLA and NumPy generate code for; "host": not fixed

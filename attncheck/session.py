@@ -24,9 +24,9 @@ import time
 import pytest
 from hypothesis import settings
 
-from attncheck import accepted, compile_cache, env, expectations, profiles, scheduling, selection, specs, watchdog
+from attncheck import compile_cache, env, expectations, profiles, scheduling, selection, specs, watchdog
 from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
-from attncheck.report import errormap, merge, model, render
+from attncheck.report import accepted, errormap, merge, model, render
 from attncheck.report import records as rec
 from attncheck.report.policy import REGRESSION_FLOOR, Policy
 

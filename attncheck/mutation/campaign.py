@@ -26,6 +26,7 @@ import time
 import xml.etree.ElementTree as ET
 
 from attncheck import cache_root
+from attncheck.report.model import mutation_summary
 from attncheck.mutation.mutant import (
     PROJECT_ROOT,
     CatalogueError,
@@ -119,21 +120,6 @@ def _result(mutant: Mutant, status: str, start: float, detail: str, killed_by: l
             "detail": detail[-600:]}
 
 
-def summarize(results: list[dict]) -> dict:
-    per_kernel: dict[str, dict] = {}
-    for r in results:
-        row = per_kernel.setdefault(r["family"], {"total": 0, "killed": 0, "survived": 0, "equivalent": 0,
-                                                   "timed out": 0, "invalid": 0})
-        row["total"] += 1
-        row[r["status"]] += 1
-    for row in per_kernel.values():
-        judged = row["total"] - row["equivalent"] - row["invalid"]
-        row["kill_rate"] = row["killed"] / judged if judged else 1.0
-    judged = [r for r in results if r["status"] not in ("equivalent", "invalid")]
-    return {"per_kernel": per_kernel, "results": results,
-            "kill_rate": sum(r["status"] == "killed" for r in judged) / len(judged) if judged else 1.0}
-
-
 def select(catalogue: list[Mutant], *, kernel=None, ids=None, sample=False, shard: Shard | None = None) -> list[Mutant]:
     """The mutants asked for; of them, with ``shard`` K/N, every N-th from the K-th (in the
     catalogue's order, so that each shard of a nightly run gets its share of every family)."""
@@ -158,7 +144,7 @@ def main(args) -> int:
             print(f"{result['status']:>10}  {result['id']:<34} {result['seconds']:>6.1f} s  {result['description']}"
                   + (f"  [by {caught}]" if caught else ""), flush=True)
             results.append(result)
-    summary = summarize(results)
+    summary = mutation_summary(results)
     report_dir = pathlib.Path(args.report)
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "mutation.json").write_text(json.dumps(summary, indent=1))

@@ -24,47 +24,16 @@ import binascii
 import dataclasses
 import math
 import zlib
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+
+from attncheck.layouts import Bounds, ErrorMapLayout
 
 MAX_CELLS = 64
 DONT_CARE = -1.0
 MISMATCH = math.inf
 JSON_VERSION = 1
-
-Bounds = tuple[tuple[str, tuple[int, ...]], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorMapLayout:
-    """How a spec lays out one direction's array as a map (``KernelSpec.error_map_layout``).
-
-    ``axis_names`` names every axis of the array; ``rows``/``cols`` are the axes shown
-    (``cols`` None: a single column, for 1-D arrays); ``row_bounds``/``col_bounds`` are
-    named sets of block boundaries in index units (e.g. ``("block_q", (128, 256))``).
-    """
-
-    axis_names: tuple[str, ...]
-    rows: int
-    cols: int | None = None
-    row_bounds: Bounds = ()
-    col_bounds: Bounds = ()
-
-    @classmethod
-    def last_axes(cls, names: Sequence[str]) -> ErrorMapLayout:
-        """The last two axes (the only one of a 1-D array), no boundaries."""
-        names = tuple(names)
-        return cls(names, max(0, len(names) - 2), len(names) - 1 if len(names) >= 2 else None)
-
-
-def every(name: str, block: int | None, length: int) -> tuple[str, tuple[int, ...]]:
-    """A boundary set: every ``block`` indices strictly inside ``[0, length)``."""
-    if not block or block <= 0:
-        return (name, ())
-    return (name, tuple(range(block, length, block)))
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Axis:

@@ -10,11 +10,9 @@ import json
 import pathlib
 from collections.abc import Mapping
 
-from attncheck import accepted
 from attncheck.env import Platform
 from attncheck.expectations import STALE
-from attncheck.mutation import campaign
-from attncheck.report import coverage_table, parameter_coverage
+from attncheck.report import accepted, coverage_table, model, parameter_coverage
 from attncheck.report import records as rec
 from attncheck.report.model import (FAIL, INCOMPLETE, DeviationStatus, InvalidCallOutcome, Report, ShardInfo,
                                     SkippedBackend, build, describe_tests, deviation_statuses, parameter_table,
@@ -235,7 +233,7 @@ def merge_shards(directories: list[pathlib.Path]) -> Report:
     mutations = {s.info.name: _read_json(s.directory / MUTATION_FILE) for s in ordered}
     mutation = None
     if any(mutations.values()):
-        mutation = campaign.summarize([r for m in mutations.values() if m for r in m.get("results", [])])
+        mutation = model.mutation_summary([r for m in mutations.values() if m for r in m.get("results", [])])
         problems += [f"shard {name}: no {MUTATION_FILE}: its share of the mutants did not run"
                      for name, m in mutations.items() if not m]
     walls = [s.data["wall_s"] for s in ordered]

@@ -205,7 +205,7 @@ class Report:
     platform: Platform | None = None
     profile: str | None = None
     # Worst budgets past the accepted ones' regression limit where the accepted budgets come
-    # from another platform or profile: shown, never failing (attncheck.accepted).
+    # from another platform or profile: shown, never failing (attncheck.report.accepted).
     budget_differences: list[str] = dataclasses.field(default_factory=list)
     # The declared deviations of the run's implementations and how each stood, and what
     # every invalid call did to every implementation under test.
@@ -362,3 +362,20 @@ def placeholder(run_id: str) -> Report:
                   problems=[f"run {run_id} is in progress, or died before its report was merged: "
                             f"`attncheck report --run {run_id}` merges what it recorded"],
                   unverified=[], limitations=[], regressions=None, records=[])
+
+
+def mutation_summary(results: list[dict]) -> dict:
+    """The report's mutation section from the campaign's results (``mutation.json`` of
+    ``attncheck mutate``, one per shard): per family, and the kill rate of the judged ones."""
+    per_kernel: dict[str, dict] = {}
+    for r in results:
+        row = per_kernel.setdefault(r["family"], {"total": 0, "killed": 0, "survived": 0, "equivalent": 0,
+                                                   "timed out": 0, "invalid": 0})
+        row["total"] += 1
+        row[r["status"]] += 1
+    for row in per_kernel.values():
+        judged = row["total"] - row["equivalent"] - row["invalid"]
+        row["kill_rate"] = row["killed"] / judged if judged else 1.0
+    judged = [r for r in results if r["status"] not in ("equivalent", "invalid")]
+    return {"per_kernel": per_kernel, "results": results,
+            "kill_rate": sum(r["status"] == "killed" for r in judged) / len(judged) if judged else 1.0}

@@ -12,7 +12,7 @@ import re
 import tempfile
 from collections import defaultdict
 
-from attncheck import accepted as acc
+from attncheck.report import accepted as acc
 from attncheck.report import history, parameter_coverage, plots
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.model import PASS, Report, SummaryRow

@@ -23,7 +23,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params, check_params_type
 from attncheck.bugclasses import BugClass
 from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, KINDS, Contract, Expectation, Shipped
-from attncheck.report.errormap import ErrorMapLayout
+from attncheck.layouts import ErrorMapLayout
 
 P = TypeVar("P", bound=Params)
 
@@ -240,7 +240,7 @@ class KernelSpec(abc.ABC, Generic[P]):
     def error_map_layout(self, case: Case[P], direction: str) -> ErrorMapLayout | None:
         """How a direction's error map is laid out (``attncheck.report.errormap``): the axes
         shown as rows and columns, and the kernel's block boundaries on them from the
-        case's block sizes (``errormap.every``). Default: the last two axes named by
+        case's block sizes (``layouts.every``). Default: the last two axes named by
         ``index_names``, no boundaries; None (no names): the last two axes, unnamed."""
         names = self.index_names(direction)
         return None if names is None else ErrorMapLayout.last_axes(names)

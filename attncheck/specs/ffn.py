@@ -24,7 +24,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.expectations import Contract
-from attncheck.report.errormap import ErrorMapLayout, every
+from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import FLOAT32_ACCUMULATION, InvalidCall, KernelSpec, accepted_keywords, values_by_dtype
 
 FAMILY = "blockwise_ffn"

@@ -24,7 +24,7 @@ from attncheck import backends, bugclasses, oracle, parameters, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.expectations import Contract
-from attncheck.report.errormap import ErrorMapLayout, every
+from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import (FLOAT32_ACCUMULATION, MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, InvalidCall,
                                   KernelSpec, accepted_keywords, positional_invalid_calls, values_by_dtype)
 

@@ -31,7 +31,7 @@ from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.expectations import Contract
-from attncheck.report.errormap import ErrorMapLayout, every
+from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import (ATTENTION_AXES, BIAS_AXES, FLOAT32_ACCUMULATION, InvalidCall, KernelSpec,
                                   values_by_dtype)
 

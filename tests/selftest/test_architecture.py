@@ -77,6 +77,60 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert _cycle(graph) is not None
 
 
+# Bottom to top. A module imports modules of its own layer and of those below it, never one
+# above: a family's spec declares what the report draws (``layouts``) and does not import
+# the report; a check makes records (the run's data) and imports nothing of the report that
+# merges and renders them, which reads mutation summaries as data and imports no campaign or
+# session; the run's drivers sit on top. A name is one module, ``package.*`` the package and
+# everything under it; a module's own name decides before the longest package holding it.
+LAYERS = (
+    ("foundation", ("attncheck", "attncheck.env", "attncheck.cache_root", "attncheck.profiles",
+                    "attncheck.structure", "attncheck.numerics", "attncheck.parameters", "attncheck.compiled",
+                    "attncheck.compile_cache", "attncheck.cases", "attncheck.bugclasses", "attncheck.domain",
+                    "attncheck.layouts", "attncheck.expectations", "attncheck.interpret_compat.*",
+                    "attncheck.oracle.*", "attncheck.strategies.*", "attncheck.yardstick", "attncheck.third_party.*",
+                    "attncheck.scheduling", "attncheck.watchdog")),
+    ("backends", ("attncheck.backends",)),
+    ("specs", ("attncheck.specs.*",)),
+    ("run data", ("attncheck.report", "attncheck.report.records", "attncheck.report.errormap",
+                  "attncheck.report.policy")),
+    ("checks", ("attncheck.check", "attncheck.coverage", "attncheck.selection")),
+    ("report", ("attncheck.report.*",)),
+    ("drivers", ("attncheck.session", "attncheck.pytest_plugin", "attncheck.gate.*", "attncheck.mutation.*",
+                 "attncheck.findings.*", "attncheck.__main__")),
+)
+
+
+def _layer_of(module: str) -> int:
+    """The index in LAYERS of the module's own name, else of the longest package holding it."""
+    for index, (_, names) in enumerate(LAYERS):
+        if module in names:
+            return index
+    holding = [(len(name), index) for index, (_, names) in enumerate(LAYERS) for name in names
+               if name.endswith(".*") and (module + ".").startswith(name[:-1])]
+    assert holding, f"{module} is in no layer of LAYERS: place it"
+    return max(holding)[1]
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} ({LAYERS[_layer_of(a)][0]}) imports {b} ({LAYERS[_layer_of(b)][0]})"
+                  for a, imported in graph.items() for b in imported if _layer_of(b) > _layer_of(a))
+
+
+def test_every_import_goes_to_its_own_layer_or_one_below():
+    graph = import_graph()
+    assert {LAYERS[_layer_of(m)][0] for m in graph} == {name for name, _ in LAYERS}
+    assert _upward_imports(graph) == []
+    assert not any(m.startswith("attncheck.report") for s in graph if s.startswith("attncheck.specs")
+                   for m in graph[s])
+
+
+def test_the_layer_check_finds_a_spec_that_imports_the_report():
+    graph = import_graph()
+    graph["attncheck.specs.flash"] = graph["attncheck.specs.flash"] | {"attncheck.report.render"}
+    assert _upward_imports(graph) == ["attncheck.specs.flash (specs) imports attncheck.report.render (report)"]
+
+
 def test_the_oracle_and_the_kernels_stay_independent():
     """The oracle is NumPy float64 and imports nothing of jax or the kernels; the kernels
     import nothing of attncheck."""

@@ -16,7 +16,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from attncheck import check, coverage, numerics, specs
+from attncheck import check, coverage, layouts, numerics, specs
 from attncheck.backends import BACKENDS
 from attncheck.report import errormap as em
 from attncheck.report import plots
@@ -43,7 +43,7 @@ def test_a_block_edge_error_lands_in_its_cells_and_the_worst_slice_is_kept():
     kernel, oracle = noisy((2, 2, 512, 128))
     kernel[1, 0, 128, 5] += 1e-3  # the first row of the second block, one head, one batch
     m = em.build(kernel, oracle, allowed=1e-6, direction="out",
-                 layout=em.ErrorMapLayout(NAMES, 2, 3, (em.every("block_q", 128, 512),)))
+                 layout=layouts.ErrorMapLayout(NAMES, 2, 3, (layouts.every("block_q", 128, 512),)))
     assert m.values.shape == (64, 64) and (m.rows.step, m.cols.step) == (8, 2)
     assert m.rows.bounds == (("block_q", (128, 256, 384)),)
     assert np.argwhere(m.values > 1).tolist() == [[16, 2]]  # query 128 // 8, dim 5 // 2
@@ -102,8 +102,8 @@ def test_json_round_trip_is_compact_and_matches_the_schema():
     kernel[0, 0, 0, 0] = oracle[0, 0, 0, 0]
     care = np.ones((1, 1, 512, 1), bool)
     care[0, 0, 500:] = False
-    layout = em.ErrorMapLayout(("batch", "head", "query", "key"), 2, 3, (em.every("block_q_dq", 128, 512),),
-                               (em.every("block_k_major_dq", 256, 512), em.every("block_k_dq", 128, 512)))
+    layout = layouts.ErrorMapLayout(("batch", "head", "query", "key"), 2, 3, (layouts.every("block_q_dq", 128, 512),),
+                               (layouts.every("block_k_major_dq", 256, 512), layouts.every("block_k_dq", 128, 512)))
     m = em.build(kernel, oracle, allowed=1e-6, direction="dab", layout=layout, care=care)
     data = json.loads(json.dumps(m.to_json(), allow_nan=False))
     MAP_VALIDATOR.validate(data)
@@ -127,7 +127,8 @@ def test_text_grid_draws_block_boundaries_where_they_are():
     kernel, oracle = noisy((1, 1, 64, 16))
     kernel[0, 0, 32, :] += 1e-2  # the first row of the third block of 16
     m = em.build(kernel, oracle, allowed=1e-6, direction="dk",
-                 layout=em.ErrorMapLayout(NAMES, 2, 3, (em.every("block_k", 16, 64),), (em.every("lanes", 8, 16),)))
+                 layout=layouts.ErrorMapLayout(NAMES, 2, 3, (layouts.every("block_k", 16, 64),),
+                                               (layouts.every("lanes", 8, 16),)))
     lines = m.to_text().splitlines()
     assert lines[0].startswith("dk: |kernel - oracle| / allowed over [query x dim], max over batch, head")
     assert "block_k every 16" in lines[1] and "lanes every 8" in lines[1]
@@ -180,7 +181,7 @@ def test_the_check_pipeline_attaches_maps_as_the_policy_says():
 def test_a_layout_that_does_not_fit_is_an_error_record_naming_it():
     class Misfit(toy_spec.ToySpec):
         def error_map_layout(self, case, direction):
-            return em.ErrorMapLayout(("query", "dim"), 0, 1)
+            return layouts.ErrorMapLayout(("query", "dim"), 0, 1)
 
     case = toy_spec.SPEC.case(3, dtype="float32", batch=2, heads=2, seq_len=8, head_dim=4, causal=False,
                               sm_scale=toy_spec.SM_SCALE)
@@ -193,7 +194,7 @@ def test_a_layout_that_does_not_fit_is_an_error_record_naming_it():
 def test_svg_draws_image_axes_and_each_boundary_escaped():
     kernel, oracle = noisy((1, 1, 512, 128))
     m = em.build(kernel, oracle, allowed=1e-6, direction="out",
-                 layout=em.ErrorMapLayout(("b", "h", "<query>", "dim"), 2, 3, (em.every("q<b>", 128, 512),)))
+                 layout=layouts.ErrorMapLayout(("b", "h", "<query>", "dim"), 2, 3, (layouts.every("q<b>", 128, 512),)))
     svg = plots.error_map(m, title="out <x>", element_id="map-1")
     assert svg.count("<image") == 1 and "data:image/png;base64," in svg
     assert svg.count('class="bound"') == 3 and "&lt;query&gt;" in svg and "q&lt;b&gt;" in svg

@@ -20,6 +20,7 @@ from attncheck import cache_root, specs
 from attncheck.mutation import campaign
 from attncheck.mutation.catalogue import CATALOGUE
 from attncheck.mutation.mutant import CatalogueError, Mutant, apply, mutated_source
+from attncheck.report import model
 
 SAMPLE = [m for m in CATALOGUE if m.sample]
 SNAKE_CASE = re.compile(r"^[a-z0-9]+(_[a-z0-9]+)*$")
@@ -129,7 +130,7 @@ def test_select_rejects_unknown_ids():
 
 def test_summarize_excludes_equivalent_and_invalid():
     rows = [{"family": "f", "status": s} for s in ("killed", "killed", "survived", "equivalent", "invalid")]
-    summary = campaign.summarize(rows)
+    summary = model.mutation_summary(rows)
     assert summary["kill_rate"] == pytest.approx(2 / 3)
     assert summary["per_kernel"]["f"]["kill_rate"] == pytest.approx(2 / 3)
 

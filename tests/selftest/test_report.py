@@ -17,11 +17,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from attncheck import accepted, check, numerics
+from attncheck import check, layouts, numerics
 from attncheck.backends import BACKENDS
 from attncheck.env import Platform
 from attncheck.expectations import Expectation
-from attncheck.report import coverage_table, errormap, history, merge, model, render
+from attncheck.report import accepted, coverage_table, errormap, history, merge, model, render
 from attncheck.report import records as rec
 from attncheck.report.policy import REGRESSION_FLOOR, Declared, Policy
 from attncheck.report.records import Record
@@ -459,8 +459,8 @@ def _with_maps(records: list[Record]) -> list[Record]:
         kernel = oracle + 1e-8 * rng.standard_normal(oracle.shape)
         if not r.passed:
             kernel[0, 1, 32] += 1.0
-        layout = errormap.ErrorMapLayout(("batch", "head", "query", "dim"), 2, 3,
-                                         (errormap.every(f"block {XSS}", 16, 64),))
+        layout = layouts.ErrorMapLayout(("batch", "head", "query", "dim"), 2, 3,
+                                         (layouts.every(f"block {XSS}", 16, 64),))
         emap = errormap.build(kernel, oracle, allowed=1e-6, direction=r.direction, layout=layout)
         out.append(dataclasses.replace(r, error_map=emap))
     return out

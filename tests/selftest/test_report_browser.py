@@ -22,9 +22,9 @@ import pathlib
 
 import pytest
 
-from attncheck import accepted, check
+from attncheck import check
 from attncheck.backends import BACKENDS
-from attncheck.report import errormap, merge, model, render
+from attncheck.report import accepted, errormap, merge, model, render
 from attncheck.report import records as rec
 from attncheck.report.policy import Policy
 from tests.selftest import toy_spec

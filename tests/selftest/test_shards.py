@@ -17,10 +17,10 @@ import types
 import jsonschema
 import pytest
 
-from attncheck import accepted, scheduling
+from attncheck import scheduling
 from attncheck.env import Platform
 from attncheck.mutation import campaign
-from attncheck.report import merge, model, render
+from attncheck.report import accepted, merge, model, render
 from attncheck.report.policy import Policy
 from attncheck.report import records as rec
 from tests.selftest import harness
@@ -279,7 +279,7 @@ def test_the_shares_of_the_mutant_catalogue_are_summarized_together(shards):
         return {"id": mutant, "family": "toy_attention", "status": status, "seconds": 1.0}
 
     for index, results in ((1, [result("m1", "killed"), result("m4", "killed")]), (2, [result("m2", "survived")])):
-        (shards[index] / merge.MUTATION_FILE).write_text(json.dumps(campaign.summarize(results)))
+        (shards[index] / merge.MUTATION_FILE).write_text(json.dumps(model.mutation_summary(results)))
     report = merge.merge_shards(list(shards.values()))
     assert report.mutation["per_kernel"]["toy_attention"] == {
         "total": 3, "killed": 2, "survived": 1, "equivalent": 0, "timed out": 0, "invalid": 0, "kill_rate": 2 / 3}

@@ -48,7 +48,7 @@ from attncheck import backends, bugclasses, oracle, yardstick
 from attncheck import strategies as S
 from attncheck.cases import Case, Params
 from attncheck.compiled import compiled, impl_key, with_vjp
-from attncheck.report.errormap import ErrorMapLayout, every
+from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import InvalidCall, KernelSpec
 
 FAMILY = "toy_attention"
