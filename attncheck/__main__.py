@@ -7,7 +7,6 @@ Every bad or missing input ends in one line naming it and a non-zero exit, never
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import pathlib
@@ -153,7 +152,7 @@ def cmd_repro(args) -> int:
     from attncheck.report import errormap
     from attncheck.report.records import Record
 
-    from attncheck.expectations import Expectation, for_target
+    from attncheck.expectations import Expectation
 
     report_dir = pathlib.Path(args.report)
     report = _read_report(report_dir)
@@ -177,26 +176,24 @@ def cmd_repro(args) -> int:
     backend_name = args.backend or record.backend
     if backend_name not in BACKENDS:
         raise CommandError(f"--backend {backend_name!r}: unknown; known: {', '.join(BACKENDS)}")
+    # Judged as the run judged it: with the deviations it declared for this implementation;
+    # every direction's map: a terminal shows the text grid of each one asked for.
+    declared = tuple(Expectation.from_json(d["entry"]) for d in report.get("deviations", []))
     try:
-        impl = specs.resolve_impl(record.impl_ref)
+        target = check.Target.named(spec, record.impl, record.impl_ref, backend_name, declared)
         case = spec.case_from_json(record.case)
     except (ValueError, TypeError, KeyError) as exc:
         raise CommandError(f"case {args.case_id}: {exc}") from None
-    backend = BACKENDS[backend_name]
-    if (reason := backend.unavailable_reason()) is not None:
+    if (reason := target.backend.unavailable_reason()) is not None:
         raise CommandError(f"backend {backend_name} is unavailable here: {reason}")
     print(f"case {case.id}: {spec.name} / {record.impl} ({record.impl_ref}) on {backend_name}")
     print(f"  platform: {env.current_platform().describe()} (the record's: "
           f"{record.backend_settings.get('platform', 'not recorded')})")
     print("  parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(case.params.to_json().items()))
           + f", seed={case.seed}")
-    # Judged as the run judged it: with the deviations it declared for this implementation;
-    # every direction's map: a terminal shows the text grid of each one asked for.
-    declared = tuple(Expectation.from_json(d["entry"]) for d in report.get("deviations", []))
-    expected = for_target(declared, family, record.impl_ref)
-    for entry in expected:
+    for entry in target.expected:
         print(f"  declared deviation: {entry.kind} {entry.name}: {entry.reason}")
-    outcome = check.check_case(check.Target(spec, record.impl, impl, backend, expected, record.impl_ref), case,
+    outcome = check.check_case(target, case,
                                report_dir=args.report,
                                maps=None if args.maps == "none" else errormap.EveryMap())
     for r in outcome.records:
@@ -337,8 +334,9 @@ def cmd_expectations_init(args) -> int:
     """The table of declared deviations a failing run calls for: one entry per bug class,
     invalid call or contract its implementations failed (with a reason to fill in),
     appended to ``--output`` (a pyproject.toml gets ``[[tool.attncheck.expect]]``)."""
-    from attncheck import expectations
+    from attncheck import expectations, specs
     from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, Expectation
+    from attncheck.report.records import Record, case_evidence
 
     report = _read_report(pathlib.Path(args.report))
     only = {}
@@ -353,9 +351,17 @@ def cmd_expectations_init(args) -> int:
     except expectations.ExpectationError as exc:
         raise CommandError(str(exc)) from None
     reason = args.reason
-    found, undeclarable = _deviations_of(report, only)
+    wanted = lambda family, ref: family not in only or only[family] == ref  # noqa: E731
+    records = [Record.from_json(r) for r in report["records"] if wanted(r["kernel"], r["impl_ref"])]
+    failed_calls = [(c["family"], c["impl_ref"], c["call"]) for c in report.get("invalid_calls", [])
+                    if c["outcome"] == "failed" and wanted(c["family"], c["impl_ref"])]
+    explanation = expectations.explaining(case_evidence(records), failed_calls, cells=specs.cell_classes())
     entries = [Expectation(f, ref, kind, name, reason.format(family=f, implementation=ref, kind=kind, name=name),
-                           str(output)) for f, ref, kind, name in found if (f, ref, kind, name) not in existing]
+                           str(output)) for f, ref, kind, name in explanation.entries
+               if (f, ref, kind, name) not in existing]
+    undeclarable = [f"{c.family} / {c.implementation}: case {c.case_id} fails, and each of its bug classes also "
+                    f"passes elsewhere ({', '.join(sorted(c.classes)) or 'it has none'}): a bug no entry describes "
+                    f"(reproduce: {c.repro})" for c in explanation.unexplained]
     for line in undeclarable:
         print(f"attncheck expectations init: not declarable: {line}", file=sys.stderr)
     if not entries:
@@ -372,94 +378,6 @@ def cmd_expectations_init(args) -> int:
     kinds = {BUG_CLASS: "bug classes", INVALID_CALL: "invalid calls", CONTRACT: "contracts"}
     print("  (" + ", ".join(f"{sum(e.kind == k for e in entries)} {v}" for k, v in kinds.items()) + ")")
     return 1 if undeclarable else 0
-
-
-def _deviations_of(report: dict, only: dict[str, str]) -> tuple[list[tuple[str, str, str, str]], list[str]]:
-    """((family, implementation, kind, name) of each deviation that explains the run's
-    failures, lines for the failing cases none explains). A failing case is explained by a
-    contract whose elements alone hold each of its failing comparisons, else by a bug class
-    of it that no case passing the numerics has (a lowering-only pass says nothing of them; a
-    case whose failures a contract explains passes once it is declared): a class stated for
-    its behaviour before a cell or pair of cells (coordinates of the covering array, which one
-    coverage example happens to carry), and of those the most specific first: the class in
-    the fewest cases, so that one broad entry does not excuse every case it touches; a
-    failing invalid call by its own entry."""
-    from attncheck import specs
-    from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL
-
-    wanted = lambda family, ref: family not in only or only[family] == ref  # noqa: E731
-    families = specs.all_specs()
-
-    def rank(family: str, name: str) -> int:
-        """0 for a class stated for its behaviour, 1 for a cell or pair of cells (a family
-        this process does not know: 0)."""
-        spec = families.get(family)
-        return int(spec is not None and any(c.name == name and not c.named for c in spec.bug_classes))
-
-    found: list[tuple[str, str, str, str]] = []
-    cases: dict[tuple, dict] = {}
-    for r in report["records"]:
-        if not wanted(r["kernel"], r["impl_ref"]):
-            continue
-        key = (r["kernel"], r["impl_ref"], r["case_id"])
-        case = cases.setdefault(key, {"classes": set(r["classes"]), "failing": [], "numerics": False})
-        case["excused"] = case.get("excused", False) or "expected" in r  # declared already: neither way
-        case["numerics"] = case["numerics"] or r.get("metrics") is not None
-        if r["outcome"] != "pass" and "expected" not in r:
-            case["failing"].append(r)
-    failing = {key: case for key, case in cases.items() if case["failing"]}
-    undeclarable = []
-    unexplained: dict[tuple, dict] = {}
-    for key, case in failing.items():
-        contracts = set.intersection(*(set(r.get("contracts_broken", ())) for r in case["failing"]))
-        if contracts:
-            found.append((key[0], key[1], CONTRACT, sorted(contracts)[0]))
-        else:
-            unexplained[key] = case
-    # A case whose failures a contract's elements alone hold passes once the contract is
-    # declared: it is passing evidence for its classes like any other.
-    passing, occurrences = {}, collections.Counter()
-    for key, case in cases.items():
-        if key not in unexplained and not case["excused"] and case["numerics"]:
-            passing.setdefault(key[:2], set()).update(case["classes"])
-        if case["failing"] or case["numerics"]:
-            occurrences.update((*key[:2], name) for name in case["classes"])
-    declarable = dict(unexplained)
-    picked: list[tuple] = []
-    while unexplained:
-        candidates: dict[tuple, set] = {}
-        for key, case in unexplained.items():
-            for name in case["classes"] - passing.get(key[:2], set()):
-                candidates.setdefault((key[0], key[1], name), set()).add(key)
-        if not candidates:
-            break
-        best = min(sorted(candidates), key=lambda c: (rank(c[0], c[2]), occurrences[c], -len(candidates[c])))
-        picked.append(best)
-        for key in candidates[best]:
-            del unexplained[key]
-    found += [(family, ref, BUG_CLASS, name) for family, ref, name in _without_redundant(picked, declarable)]
-    undeclarable += [f"{family} / {ref}: case {case_id} fails, and each of its bug classes also passes elsewhere "
-                     f"({', '.join(sorted(case['classes'])) or 'it has none'}): a bug no entry describes "
-                     f"(reproduce: {case['failing'][0]['repro']})" for (family, ref, case_id), case in unexplained.items()]
-    found += [(c["family"], c["impl_ref"], INVALID_CALL, c["call"]) for c in report.get("invalid_calls", [])
-              if c["outcome"] == "failed" and wanted(c["family"], c["impl_ref"])]
-    return list(dict.fromkeys(found)), undeclarable
-
-
-def _without_redundant(picked: list[tuple], failing: dict[tuple, dict]) -> list[tuple]:
-    """The picked classes less each one the gate would call stale on these cases
-    (``expectations.own_evidence``), one at a time."""
-    from attncheck.expectations import own_evidence
-
-    picked = list(picked)
-    while True:
-        shown_in = {key: {c for c in picked if key[:2] == c[:2] and c[2] in case["classes"]}
-                    for key, case in failing.items()}
-        evidence = own_evidence(shown_in)
-        redundant = [c for c in picked if evidence.get(c, 0) == 0]
-        if not redundant:
-            return picked
-        picked.remove(redundant[-1])  # the broadest of them goes first: picks run most specific first
 
 
 def cmd_findings(args) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from attncheck import interpret_compat, numerics, structure, yardstick
-from attncheck.backends import Backend
+from attncheck.backends import BACKENDS, Backend
 from attncheck.cases import Case
 from attncheck.compiled import impl_origin, release_when_mappings_run_out
 from attncheck.domain import DECLARED as DOMAIN_REFUSAL
@@ -31,11 +31,12 @@ from attncheck.expectations import (
     CONTRACT,
     UNSUPPORTED_BY_IMPLEMENTATION,
     Expectation,
+    for_target,
     refusal,
 )
 from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record, target_id
-from attncheck.specs.base import KernelSpec
+from attncheck.specs.base import KernelSpec, resolve_impl
 
 # A yardstick this far from the oracle means the spec's mapping or the yardstick is wrong,
 # and would inflate the tolerance: fail loudly instead of passing anything...
@@ -72,6 +73,15 @@ class Target:
     backend: Backend
     expected: tuple[Expectation, ...] = ()
     ref: str | None = None  # "module:function" as the run names it (None: where impl comes from)
+
+    @classmethod
+    def named(cls, spec: KernelSpec, impl_name: str, impl_ref: str, backend_name: str,
+              declared: tuple[Expectation, ...] = ()) -> Target:
+        """The target a run names (a gate test, a record to reproduce): the implementation
+        found by its reference, the backend by its name, and the deviations declared for
+        that implementation among ``declared``."""
+        return cls(spec, impl_name, resolve_impl(impl_ref), BACKENDS[backend_name],
+                   for_target(declared, spec.name, impl_ref), impl_ref)
 
     @property
     def id(self) -> str:

@@ -244,6 +244,95 @@ def own_evidence(shown_in: Mapping[Any, set]) -> dict[Any, int]:
     return counts
 
 
+@dataclasses.dataclass(frozen=True)
+class CaseEvidence:
+    """One case of one implementation in a run, as ``explaining`` weighs it."""
+
+    family: str
+    implementation: str
+    case_id: str
+    classes: frozenset[str]
+    numerics: bool  # some direction compared numbers: a lowering-only pass says nothing of its classes
+    excused: bool  # a declared deviation explains one of its records already
+    # Per failing record that no declared deviation excuses: the contracts whose elements
+    # alone hold its failures (empty: none does).
+    failing: tuple[frozenset[str], ...] = ()
+    repro: str = ""  # the command that reruns it
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The deviations that explain a run's failures (``(family, implementation, kind,
+    name)``, each once), and the failing cases none explains."""
+
+    entries: tuple[tuple[str, str, str, str], ...]
+    unexplained: tuple[CaseEvidence, ...]
+
+
+def explaining(cases: Iterable[CaseEvidence], failed_calls: Iterable[tuple[str, str, str]], *,
+               cells: Mapping[str, frozenset[str]]) -> Explanation:
+    """The deviations a run calls for (``attncheck expectations init``). A failing case is
+    explained by a contract whose elements alone hold each of its failing comparisons, else
+    by a bug class of it that no case passing the numerics has (a case whose failures a
+    contract explains passes once it is declared): a class stated for its behaviour before
+    a cell or pair of cells (``cells``: family -> those names, coordinates of the covering
+    array that one coverage example happens to carry), and of those the most specific first,
+    the class in the fewest cases, so that one broad entry does not excuse every case it
+    touches; and less each class the gate would call stale on these cases (``own_evidence``).
+    A failing invalid call (``failed_calls``: family, implementation, call) by its own entry."""
+    cases = list(cases)
+    found: list[tuple[str, str, str, str]] = []
+    unexplained: dict[tuple, CaseEvidence] = {}
+    for case in cases:
+        if not case.failing:
+            continue
+        contracts = frozenset.intersection(*case.failing)
+        if contracts:
+            found.append((case.family, case.implementation, CONTRACT, sorted(contracts)[0]))
+        else:
+            unexplained[(case.family, case.implementation, case.case_id)] = case
+    passing: dict[tuple[str, str], set[str]] = {}
+    occurrences: dict[tuple[str, str, str], int] = {}
+    for case in cases:
+        key = (case.family, case.implementation, case.case_id)
+        if key not in unexplained and not case.excused and case.numerics:
+            passing.setdefault(key[:2], set()).update(case.classes)
+        if case.failing or case.numerics:
+            for name in case.classes:
+                occurrences[(*key[:2], name)] = occurrences.get((*key[:2], name), 0) + 1
+    declarable = dict(unexplained)
+    picked: list[tuple[str, str, str]] = []
+    while unexplained:
+        candidates: dict[tuple[str, str, str], set] = {}
+        for key, case in unexplained.items():
+            for name in case.classes - passing.get(key[:2], set()):
+                candidates.setdefault((*key[:2], name), set()).add(key)
+        if not candidates:
+            break
+        best = min(sorted(candidates), key=lambda c: (c[2] in cells.get(c[0], frozenset()), occurrences[c],
+                                                      -len(candidates[c])))
+        picked.append(best)
+        for key in candidates[best]:
+            del unexplained[key]
+    found += [(family, ref, BUG_CLASS, name) for family, ref, name in _without_stale(picked, declarable)]
+    found += [(family, ref, INVALID_CALL, call) for family, ref, call in failed_calls]
+    return Explanation(tuple(dict.fromkeys(found)), tuple(unexplained.values()))
+
+
+def _without_stale(picked: list[tuple[str, str, str]], failing: Mapping[tuple, CaseEvidence]) -> list[tuple]:
+    """The picked classes less each one the gate would call stale on these cases
+    (``own_evidence``), one at a time: the broadest first, as picks run most specific first."""
+    picked = list(picked)
+    while True:
+        shown_in = {key: {c for c in picked if key[:2] == c[:2] and c[2] in case.classes}
+                    for key, case in failing.items()}
+        evidence = own_evidence(shown_in)
+        stale = [c for c in picked if evidence.get(c, 0) == 0]
+        if not stale:
+            return picked
+        picked.remove(stale[-1])
+
+
 def toml(entries: Iterable[Expectation], *, pyproject: bool) -> str:
     """The entries as a TOML table: ``[[tool.attncheck.expect]]`` for a pyproject.toml, else
     ``[[expect]]``."""

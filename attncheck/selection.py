@@ -128,8 +128,7 @@ class GateTest:
 
     def target(self, expectations: tuple[Expectation, ...] = ()) -> Target:
         """The target, with the deviations declared for its implementation among ``expectations``."""
-        return Target(self.spec, self.impl_name, resolve_impl(self.impl_ref), BACKENDS[self.backend_name],
-                      for_target(expectations, self.spec.name, self.impl_ref), self.impl_ref)
+        return Target.named(self.spec, self.impl_name, self.impl_ref, self.backend_name, expectations)
 
 
 def gate_tests(options: Options) -> list[GateTest]:

@@ -20,10 +20,11 @@ import math
 import pathlib
 import resource
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from attncheck.env import Platform
+from attncheck.expectations import CaseEvidence
 from attncheck.numerics import Comparison
 from attncheck.report.errormap import ErrorMap
 from attncheck.report.policy import Policy
@@ -200,6 +201,23 @@ def _append(path: pathlib.Path, line: str) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(line + "\n")
         fh.flush()
+
+
+def case_evidence(records: Iterable[Record]) -> list[CaseEvidence]:
+    """Each case of these records, one per (family, implementation, case id), as the
+    deviations that may explain it weigh it (``expectations.explaining``)."""
+    cases: dict[tuple[str, str, str], list[Record]] = {}
+    for r in records:
+        cases.setdefault((r.kernel, r.impl_ref, r.case_id), []).append(r)
+    evidence = []
+    for (family, ref, case_id), runs in cases.items():
+        failing = [r for r in runs if r.failing]
+        evidence.append(CaseEvidence(
+            family, ref, case_id, frozenset(runs[0].classes), numerics=any(r.metrics is not None for r in runs),
+            excused=any(r.expected is not None for r in runs),
+            failing=tuple(frozenset(r.contracts_broken or ()) for r in failing),
+            repro=failing[0].repro if failing else runs[0].repro))
+    return evidence
 
 
 class RecordWriter:

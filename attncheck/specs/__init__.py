@@ -50,3 +50,9 @@ def all_specs() -> dict[str, KernelSpec]:
 
 
 __all__ = ["InvalidCall", "KernelSpec", "all_specs", "resolve_impl", "use_spec_modules"]
+
+
+def cell_classes() -> dict[str, frozenset[str]]:
+    """Family -> its bug classes that are a cell or a pair of cells (coordinates of its
+    covering array), not a condition stated for a behaviour (``expectations.explaining``)."""
+    return {name: frozenset(c.name for c in spec.bug_classes if not c.named) for name, spec in all_specs().items()}

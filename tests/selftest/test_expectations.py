@@ -11,7 +11,7 @@ import pytest
 
 from attncheck import check, coverage, expectations, specs
 from attncheck.backends import BACKENDS
-from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, Expectation
+from attncheck.expectations import BUG_CLASS, CONTRACT, INVALID_CALL, CaseEvidence, Expectation
 from tests.selftest import chaos, harness
 
 DEVIATES = "tests.selftest.chaos:deviates_on_causal"
@@ -105,42 +105,50 @@ def test_an_entry_whose_failing_cases_a_confirmed_entry_explains_is_stale():
     assert _status(("bf16", {"causal": True, "bf16": True})) == {"causal": ("occurs", 1), "bf16": ("occurs", 1)}
 
 
+def _evidence(case: str, outcome: str, classes: list[str], *, family: str = "f", numerics: bool = True,
+              contracts: tuple[str, ...] = ()) -> CaseEvidence:
+    return CaseEvidence(family, "m:f", case, frozenset(classes), numerics=numerics, excused=False,
+                        failing=(frozenset(contracts),) if outcome == "fail" else (), repro=f"attncheck repro {case}")
+
+
 def test_init_declares_the_class_that_fails_wherever_it_occurs_and_ignores_lowering():
-    from attncheck.__main__ import _deviations_of
-
-    def rec(case, outcome, classes, *, numerics=True):
-        return {"kernel": "f", "impl_ref": "m:f", "case_id": case, "classes": classes, "outcome": outcome,
-                "metrics": {} if numerics else None, "repro": f"attncheck repro {case}"}
-
     # Every case fails: "broad" is in all of them and would explain them in one entry that
     # hides whatever else breaks them; "narrow" and "lowered" each in two (a lowering-only
     # pass of "lowered" proves nothing about its numerics).
-    records = [rec("c1", "fail", ["broad", "narrow", "lowered"]), rec("c2", "fail", ["broad", "narrow"]),
-               rec("c4", "pass", ["lowered"], numerics=False), rec("c5", "fail", ["broad", "lowered"])]
-    found, undeclarable = _deviations_of({"records": records}, {})
-    assert sorted(found) == [("f", "m:f", BUG_CLASS, "lowered"), ("f", "m:f", BUG_CLASS, "narrow")], found
-    assert undeclarable == []
+    cases = [_evidence("c1", "fail", ["broad", "narrow", "lowered"]), _evidence("c2", "fail", ["broad", "narrow"]),
+             _evidence("c4", "pass", ["lowered"], numerics=False), _evidence("c5", "fail", ["broad", "lowered"])]
+    explained = expectations.explaining(cases, [], cells={})
+    assert sorted(explained.entries) == [("f", "m:f", BUG_CLASS, "lowered"), ("f", "m:f", BUG_CLASS, "narrow")]
+    assert explained.unexplained == ()
     # A specific class picked first whose every failing case a broader pick also explains
     # (and that one fails alone elsewhere): the gate would call it stale, so it is left out.
-    records = [rec("x", "fail", ["empty_seq"]), rec("y", "fail", ["partial", "compact"]),
-               rec("z", "fail", ["partial", "compact"]), rec("w", "fail", ["compact"])]
-    found, _ = _deviations_of({"records": records}, {})
-    assert sorted(found) == [("f", "m:f", BUG_CLASS, "compact"), ("f", "m:f", BUG_CLASS, "empty_seq")], found
+    cases = [_evidence("x", "fail", ["empty_seq"]), _evidence("y", "fail", ["partial", "compact"]),
+             _evidence("z", "fail", ["partial", "compact"]), _evidence("w", "fail", ["compact"])]
+    explained = expectations.explaining(cases, [], cells={})
+    assert sorted(explained.entries) == [("f", "m:f", BUG_CLASS, "compact"), ("f", "m:f", BUG_CLASS, "empty_seq")]
 
 
 def test_init_declares_a_class_stated_for_its_behaviour_before_a_cell_or_a_pair_of_cells():
     """A pair of cells and a scale's cell occur in fewer cases than the behaviour's class, by
     which coverage example happens to carry them; declaring them would name no behaviour."""
-    from attncheck.__main__ import _deviations_of
+    flash = "flash_attention"
+    cases = [_evidence("a", "fail", ["bias_neg_inf_row_empty", "causal_on__kv_blocks_several"], family=flash),
+             _evidence("b", "fail", ["bias_neg_inf_row_empty", "sm_scale_zero"], family=flash),
+             _evidence("d", "pass", ["causal"], family=flash)]
+    cells = specs.cell_classes()
+    assert {"causal_on__kv_blocks_several", "sm_scale_zero"} <= cells[flash]
+    assert "bias_neg_inf_row_empty" not in cells[flash]
+    explained = expectations.explaining(cases, [], cells=cells)
+    assert explained.entries == ((flash, "m:f", BUG_CLASS, "bias_neg_inf_row_empty"),) and not explained.unexplained
 
-    def rec(case, outcome, classes):
-        return {"kernel": "flash_attention", "impl_ref": "m:f", "case_id": case, "classes": classes,
-                "outcome": outcome, "metrics": {}, "repro": f"attncheck repro {case}"}
 
-    records = [rec("a", "fail", ["bias_neg_inf_row_empty", "causal_on__kv_blocks_several"]),
-               rec("b", "fail", ["bias_neg_inf_row_empty", "sm_scale_zero"]), rec("d", "pass", ["causal"])]
-    found, undeclarable = _deviations_of({"records": records}, {})
-    assert found == [("flash_attention", "m:f", BUG_CLASS, "bias_neg_inf_row_empty")] and not undeclarable, found
+def test_init_declares_a_contract_that_holds_a_failure_and_an_invalid_call_by_its_entry_and_names_the_rest():
+    cases = [_evidence("p", "fail", ["padded"], contracts=("rows_of_no_sequence",)),
+             _evidence("q", "fail", ["odd"]), _evidence("r", "pass", ["odd"])]
+    explained = expectations.explaining(cases, [("f", "m:f", "q_len_gt_kv_len")], cells={})
+    assert explained.entries == (("f", "m:f", CONTRACT, "rows_of_no_sequence"), ("f", "m:f", INVALID_CALL,
+                                                                                  "q_len_gt_kv_len"))
+    assert [c.case_id for c in explained.unexplained] == ["q"]
 
 
 @pytest.mark.parametrize("entry, message", [
