@@ -219,3 +219,24 @@ def test_links_resolve(page):
 def test_the_readme_links_every_docs_page():
     linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", _text()))
     assert {p.name for p in DOCS} | {"DESIGN.md"} <= linked
+
+
+def test_adding_a_family_is_written_once_where_the_spec_interface_points():
+    """``specs/base.py`` points to one page and section; that section holds the steps, in
+    order, with the toy spec as the worked example, and no other page repeats them."""
+    import ast
+
+    from attncheck.specs import base
+
+    pointer = re.search(r'``(docs/[\w./-]+\.md)``, "([^"]+)"', ast.get_docstring(ast.parse(
+        pathlib.Path(base.__file__).read_text())))
+    assert pointer, "specs/base.py names no page and section for adding a family"
+    page, heading = ROOT / pointer[1], pointer[2]
+    sections = re.split(r"^## ", page.read_text(), flags=re.M)
+    section = next((s for s in sections if s.startswith(heading + "\n")), None)
+    assert section is not None, f"{page} has no section {heading!r}"
+    steps = [int(n) for n in re.findall(r"^(\d+)\. ", section, flags=re.M)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5, steps
+    assert "toy_spec.py" in section and (ROOT / "tests/selftest/toy_spec.py").is_file()
+    others = [p for p in (ROOT / "docs").glob("*.md") if p != page] + [ROOT / "README.md"]
+    assert not [p.name for p in others if re.search(r"^#+ Adding a (kernel )?family", p.read_text(), flags=re.M)]
