@@ -96,7 +96,7 @@ LAYERS = (
                   "attncheck.report.policy")),
     ("checks", ("attncheck.check", "attncheck.coverage", "attncheck.selection")),
     ("report", ("attncheck.report.*",)),
-    ("drivers", ("attncheck.session", "attncheck.pytest_plugin", "attncheck.gate.*", "attncheck.mutation.*",
+    ("drivers", ("attncheck.session.*", "attncheck.pytest_plugin", "attncheck.gate.*", "attncheck.mutation.*",
                  "attncheck.findings.*", "attncheck.__main__")),
 )
 

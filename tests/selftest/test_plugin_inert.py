@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from attncheck import session
+from attncheck.session import guards
 
 PROBE = '''
 import atexit, gc, json, os, pathlib
@@ -106,9 +106,9 @@ def test_asking_for_attncheck_is_what_activates_it(tmp_path):
     assert "--xla_force_host_platform_device_count=8" in seen["env"]["XLA_FLAGS"]
     assert seen["profile"] == "dev" and seen["xmlpath"].endswith("rep/junit.xml")
     # The run collects garbage less often while it runs, and gives the process its own back.
-    assert seen["gc_threshold"] == list(session.GC_THRESHOLDS)
+    assert seen["gc_threshold"] == list(guards.GC_THRESHOLDS)
     thresholds = json.loads((tmp_path / "active.json.exit").read_text())
-    assert thresholds["after"] == thresholds["before"] != list(session.GC_THRESHOLDS), thresholds
+    assert thresholds["after"] == thresholds["before"] != list(guards.GC_THRESHOLDS), thresholds
     # No gate test was collected: the run verified nothing, and says so.
     assert proc.returncode != 0 and "attncheck: NO CASES" in proc.stdout, proc.stdout
     assert (tmp_path / "rep" / "report.md").read_text().startswith("# attncheck: NO CASES")

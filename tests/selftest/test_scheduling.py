@@ -165,7 +165,7 @@ def _config(tmp_path, maxfail: int, run_id: str = "run-1"):
 
 
 def test_the_workers_are_told_to_stop_once_pytest_says_the_session_should_fail(tmp_path):
-    from attncheck.session import MaxfailStop
+    from attncheck.session.directory import MaxfailStop
 
     session = types.SimpleNamespace(shouldfail=False)
     stop_file = tmp_path / "rep" / ".stop-run-1"
