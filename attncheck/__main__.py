@@ -389,8 +389,8 @@ def cmd_findings(args) -> int:
     for f in findings.FINDINGS:
         print(f"{f.id:36} {f.family:24} {f.since:14} {f.held_as}" + (" (by design)" if f.by_design else ""))
         print(f"{'':36} {f.title}")
-        print(f"{'':36} in {f.package or 'jax'}: {f.source}" + (f"; reproducer {f.reproducer.name}, draft {f.issue.name}"
-                                              if f.reproducer and f.issue else ""))
+        files = f"; reproducer {f.reproducer.name}, draft {f.issue.name}" if f.reproducer and f.issue else ""
+        print(f"{'':36} in {f.package or 'jax'}: {f.source}{files}")
     if args.report:
         report = _read_report(pathlib.Path(args.report))
         declared = [d for d in report.get("deviations", []) if d["entry"]["source"] != "shipped with the family"]

@@ -34,6 +34,7 @@ from attncheck.expectations import (
     for_target,
     refusal,
 )
+from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
 from attncheck.report import errormap
 from attncheck.report.records import CaseRun, Record, target_id
 from attncheck.specs.base import KernelSpec, resolve_impl
@@ -59,7 +60,6 @@ NO_KERNEL_LOWERED = ("lowered for platform tpu without a Pallas kernel (no Mosai
 # Spec modules under this package are always known to ``attncheck repro``; any other one
 # (``--attncheck-spec``) is named in the reproducer so that it stays one command.
 BUILTIN_SPEC_PACKAGE = "attncheck.specs."
-from attncheck.report import DEFAULT_DIR as DEFAULT_REPORT_DIR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +244,10 @@ def judge(base: CaseRun, direction: str, got, truth: np.ndarray, reference: np.n
           timings: dict, exact: Callable[[], np.ndarray] | None = None, copied: bool = False) -> Record:
     """One direction's record: the tolerance policy, the dtype rule, and the refusal of a
     tolerance built on a broken yardstick (``exact``: the yardstick computed in float64,
-    asked for only then; ``copied``: the direction is compared exactly). Whatever the kernel returned (another shape, a list, no array at
-    all) ends in a record: another tree or shape than the oracle's is an error in chex's
-    words (``attncheck.structure``), before anything is compared."""
+    asked for only then; ``copied``: the direction is compared exactly). Whatever the kernel
+    returned (another shape, a list, no array at all) ends in a record: another tree or shape
+    than the oracle's is an error in chex's words (``attncheck.structure``), before anything
+    is compared."""
     start = time.perf_counter()
     wrong = structure.mismatch(direction, got, np.shape(truth))
     if wrong is not None:

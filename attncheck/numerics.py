@@ -117,7 +117,8 @@ def distance(values, oracle: np.ndarray, where=None) -> float:
     """max |values - oracle| over the elements ``where`` says (all with None) at which both
     are finite; 0 where there are none."""
     values, oracle = np.asarray(values, dtype=np.float64), np.asarray(oracle, dtype=np.float64)
-    where = np.ones(oracle.shape, dtype=bool) if where is None else np.broadcast_to(np.asarray(where, bool), oracle.shape)
+    where = (np.ones(oracle.shape, dtype=bool) if where is None
+             else np.broadcast_to(np.asarray(where, bool), oracle.shape))
     difference = np.abs(values[where] - oracle[where])
     return float(np.max(difference[np.isfinite(difference)], initial=0.0))
 
@@ -133,7 +134,8 @@ def compare(kernel, oracle, yardstick, *, dtype, direction: str, care=None, exac
     """
     kernel = np.asarray(kernel, dtype=np.float64)
     oracle = np.asarray(oracle, dtype=np.float64)
-    yardsticks = [np.asarray(y, dtype=np.float64) for y in (yardstick if isinstance(yardstick, tuple) else (yardstick,))]
+    yardsticks = [np.asarray(y, dtype=np.float64)
+                  for y in (yardstick if isinstance(yardstick, tuple) else (yardstick,))]
     if kernel.shape != oracle.shape or any(y.shape != oracle.shape for y in yardsticks):
         raise ValueError(f"{direction}: shapes differ: kernel {kernel.shape}, oracle {oracle.shape}, "
                          f"yardstick {', '.join(str(y.shape) for y in yardsticks)}")

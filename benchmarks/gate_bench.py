@@ -235,7 +235,8 @@ def soak(count: int, mode: str, extra: list[str], timeout_s: float, dump_after_s
     runs = [run_gate(f"soak-{i}", mode, "warm", extra, timeout_s=timeout_s, dump_after_s=dump_after_s)
             for i in range(1, count + 1)]
     for r in runs:
-        print(f"soak {r['run']}: {'HUNG (stacks in ' + r['log'] + ' and stacks.log)' if r['hung'] else r.get('verdict')}"
+        ended = f"HUNG (stacks in {r['log']} and stacks.log)" if r['hung'] else r.get('verdict')
+        print(f"soak {r['run']}: {ended}"
               f", wall {r['wall_s']} s, exit {r['exit_code']}", flush=True)
     return {"runs": count, "hung": sum(r["hung"] for r in runs), "timeout_s": timeout_s,
             "wall_s": [r["wall_s"] for r in runs], "verdicts": [r.get("verdict") for r in runs], "details": runs}
@@ -338,7 +339,8 @@ def render_markdown(results: dict, *, source: str = "reports/bench/bench.json") 
         walls = soaked.get("wall_s", [])
         verdicts = collections.Counter(v or "no report" for v in soaked.get("verdicts", []))
         lines += ["", "## Soak", "",
-                  f"{soaked['runs']} warm gates in a row: {soaked['hung']} hung (stopped at {soaked['timeout_s']:g} s); "
+                  f"{soaked['runs']} warm gates in a row: {soaked['hung']} hung "
+                  f"(stopped at {soaked['timeout_s']:g} s); "
                   + (f"wall {min(walls):g}-{max(walls):g} s; " if walls else "")
                   + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())) + "."]
     return "\n".join(lines) + "\n"

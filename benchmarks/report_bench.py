@@ -26,7 +26,6 @@ other jobs inflates least; wall seconds are given too.
 
 from __future__ import annotations
 
-import collections
 import io
 import json
 import math

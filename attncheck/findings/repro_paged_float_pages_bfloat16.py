@@ -52,7 +52,12 @@ ref = attention64(keys, values)
 scale = np.abs(ref).max()
 # Yardsticks: the same attention in plain float32 jax.numpy, and in float64 from bfloat16-rounded K/V.
 f32 = np.asarray(jax.nn.softmax(jnp.asarray(q[0]) @ jnp.asarray(keys).T, axis=-1) @ jnp.asarray(values))
-bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def bf16(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
 ref_bf16_kv = attention64(bf16(keys), bf16(values))
 
 err = np.abs(got - ref)

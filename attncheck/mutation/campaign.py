@@ -116,7 +116,8 @@ def verdict(report_dir: pathlib.Path, equivalent: str | None) -> tuple[str, list
 def _result(mutant: Mutant, status: str, start: float, detail: str, killed_by: list[str] = ()) -> dict:
     return {"id": mutant.id, "family": mutant.family, "bug_class": mutant.bug_class,
             "description": mutant.description, "status": status, "equivalent": mutant.equivalent,
-            "seconds": round(time.perf_counter() - start, 1), "killed_by": list(killed_by) if status == "killed" else [],
+            "seconds": round(time.perf_counter() - start, 1),
+            "killed_by": list(killed_by) if status == "killed" else [],
             "detail": detail[-600:]}
 
 

@@ -74,7 +74,8 @@ def merge(directory: pathlib.Path, run_id: str, outcome: RunOutcome, policy: Pol
         unverified += unverified_targets(records, outcome.asked)
     return build(records, run_id=run_id, complete=outcome.complete, wall_s=outcome.wall_s, problems=problems,
                  unverified=unverified, skipped_backends=skipped_backends, policy=policy,
-                 regressions=regressions, budget_differences=differences, mutation=_read_json(directory / MUTATION_FILE),
+                 regressions=regressions, budget_differences=differences,
+                 mutation=_read_json(directory / MUTATION_FILE),
                  shard=shard, platform=platform, profile=profile, deviations=deviations, invalid_calls=invalid_calls)
 
 
@@ -105,8 +106,9 @@ def _judge_whole_run(records: list[rec.Record], invalid_calls: list[InvalidCallO
               for d in deviations if d.status == STALE]
     regressions, differences = None, []
     if policy.accepted_budgets:
-        regressions, differences = accepted.judge(summarize(records), accepted.read(pathlib.Path(policy.accepted_budgets)),
-                                                  policy.regression_floor, platform, profile)
+        budgets = accepted.read(pathlib.Path(policy.accepted_budgets))
+        regressions, differences = accepted.judge(summarize(records), budgets, policy.regression_floor, platform,
+                                                  profile)
     return holes, regressions, differences, deviations
 
 

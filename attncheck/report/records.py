@@ -184,7 +184,8 @@ def numbers_differ(a: list[Record], b: list[Record]) -> list[str]:
     """Where two runs' records differ in their numbers: a line per record key found in one
     run only or with other numbers (the first differing fields named)."""
     left, right = {r.key: r.numbers() for r in a}, {r.key: r.numbers() for r in b}
-    out = [f"{key}: only in the {'first' if key in left else 'second'} run" for key in sorted(left.keys() ^ right.keys())]
+    out = [f"{key}: only in the {'first' if key in left else 'second'} run"
+           for key in sorted(left.keys() ^ right.keys())]
     for key in sorted(left.keys() & right.keys()):
         if left[key] != right[key]:
             fields = sorted(f for f in left[key].keys() | right[key].keys() if left[key].get(f) != right[key].get(f))

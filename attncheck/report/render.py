@@ -113,10 +113,11 @@ def render_markdown(report: Report) -> str:
     if report.problems:
         out += ["## Gate problems", ""] + [f"- {md(p)}" for p in report.problems] + [""]
     if report.budget_differences:
-        out += ["## Budgets above the accepted ones, not judged", ""] + [f"- {md(p)}" for p in report.budget_differences] \
-            + [""]
+        out += ["## Budgets above the accepted ones, not judged", "",
+                *[f"- {md(p)}" for p in report.budget_differences], ""]
     if report.limitations:
-        out += ["## Not run: unsupported by interpret mode or by the implementation", ""] + [f"- {md(p)}" for p in report.limitations] + [""]
+        out += ["## Not run: unsupported by interpret mode or by the implementation", "",
+                *[f"- {md(p)}" for p in report.limitations], ""]
     if failing:
         out += ["## Failures", "", "| kernel | impl | backend | direction | case | reason | reproduce |",
                 "|---|---|---|---|---|---|---|"]
@@ -377,6 +378,10 @@ def _trend(report: Report, accepted: acc.AcceptedBudgets | None, floor: float,
                     if more > 0 else "")
 
 
+def _header(*names: str) -> str:
+    return "<tr>" + "".join(f"<th>{name}</th>" for name in names) + "</tr>"
+
+
 def render_html(report: Report, accepted: acc.AcceptedBudgets | None = None,
                 floor: float = REGRESSION_FLOOR, earlier: list[history.Entry] = ()) -> str:
     """report.html: one self-contained file (inline SVG and CSS, a few lines of script for
@@ -446,19 +451,27 @@ def render_html(report: Report, accepted: acc.AcceptedBudgets | None = None,
         f"<tr><td>{esc(k)}</td><td>{esc(line)}</td></tr>" for k, d in report.declared.items() for line in d.contracts)
     deviation_rows = "".join(
         f"<tr class='{'bad' if d.status == 'stale' else ''}'><td>{esc(d.entry.family)}</td>"
-        f"<td><code>{esc(d.entry.implementation)}</code></td><td>{esc(d.entry.kind)} <code>{esc(d.entry.name)}</code></td>"
+        f"<td><code>{esc(d.entry.implementation)}</code></td>"
+        f"<td>{esc(d.entry.kind)} <code>{esc(d.entry.name)}</code></td>"
         f"<td>{esc(d.entry.reason)}</td><td>{esc(d.entry.source)}</td><td>{d.cases} ({d.shown})</td>"
         f"<td>{esc(d.status)}</td></tr>" for d in report.deviations)
     parameter_rows = "".join(
-        f"<tr class='{'' if values.varied or parameter_coverage.fixed_reason(name, report.fixed_parameters.get(k, {})) else 'bad'}'>"
+        f"<tr class='{'' if values.varied or fixed else 'bad'}'>"
         f"<td>{esc(k)}</td><td><code>{esc(name)}</code></td><td>{esc(_values(values))}</td>"
-        f"<td>{esc(parameter_coverage.fixed_reason(name, report.fixed_parameters.get(k, {})) or '')}</td></tr>"
-        for k, params in report.parameters.items() for name, values in params.items())
+        f"<td>{esc(fixed or '')}</td></tr>"
+        for k, params in report.parameters.items() for name, values in params.items()
+        for fixed in [parameter_coverage.fixed_reason(name, report.fixed_parameters.get(k, {}))])
     sections = ((("failures", "failures"),) if failing else ()) + (
         ("overview", "overview"), ("maps", "error maps"), ("summary", "summary"), ("coverage", "coverage"),
         ("parameters", "parameters"))
     nav = " · ".join(f"<a href='#{target}'>{label}</a>" for target, label in sections)
     totals, ok = report.totals, report.verdict == PASS
+    expected = f", {totals.deviations} expected deviations" if totals.deviations else ""
+    deviations = ('<h2 id="deviations">Declared deviations</h2><table>' + _header(
+        "family", "implementation", "deviation", "reason", "declared in", "cases (showing it)", "status")
+        + deviation_rows + "</table>" if deviation_rows else "")
+    contracts = ('<h2 id="declared">Contracts</h2><table>' + _header("kernel", "contract") + declared_rows
+                 + "</table>" if declared_rows else "")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>attncheck report: {esc(report.verdict)}</title>
 <style>
@@ -477,13 +490,15 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 </style></head><body>
 <h1>attncheck report</h1>
 <p class="status {'pass' if ok else 'fail'}">{esc(report.verdict)}</p>
-<p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing{f", {totals.deviations} expected deviations" if totals.deviations else ""}; run <code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
+<p>{totals.cases} cases, {totals.records} comparisons, {totals.failures} failing{expected}; run \
+<code>{esc(report.run_id)}</code>{'' if report.complete else ' (incomplete)'}</p>
 <p class="note">Platform: {esc(platform_line(report))}</p>
 <p class="nav">{nav}</p>
 {'<h2>Gate problems</h2><ul>' + problems + '</ul>' if problems else ''}
 {'<h2>Budgets above the accepted ones, not judged</h2><ul>' + differences + '</ul>' if differences else ''}
 {failures}
-{'<h2>Not run: unsupported by interpret mode or by the implementation</h2><ul>' + limitations + '</ul>' if limitations else ''}
+{'<h2>Not run: unsupported by interpret mode or by the implementation</h2><ul>' + limitations + '</ul>'
+  if limitations else ''}
 <h2 id="overview">Overview</h2>
 {plots.colorbar()}
 <div class="plots"><figure>{_overview_heatmap(report)}</figure></div>
@@ -494,14 +509,17 @@ table.params {{ font-size: 12px; margin: 0.3em 0; }} .note, .nodata {{ color: #5
 {device_plot}
 </div>
 <h2 id="maps">Error maps: the worst passing comparison of each kernel x direction</h2>
-<p class="note">|kernel - oracle| / allowed over the direction's natural axes, worst over the others; lines are the kernel's block boundaries. <code>attncheck repro</code> prints the same map as text.</p>
+<p class="note">|kernel - oracle| / allowed over the direction's natural axes, worst over the others; lines are \
+the kernel's block boundaries. <code>attncheck repro</code> prints the same map as text.</p>
 <div class="gallery">{gallery or "<p class='nodata'>no error maps in these records</p>"}</div>
-<h2 id="summary">Summary</h2><table><tr><th>kernel</th><th>impl</th><th>backend</th><th>dtype</th><th>direction</th><th>cases</th><th>failures</th><th>worst budget</th><th>worst case</th></tr>{rows}</table>
+<h2 id="summary">Summary</h2><table>{_header("kernel", "impl", "backend", "dtype", "direction", "cases", "failures",
+                                               "worst budget", "worst case")}{rows}</table>
 {'<h2>Backends not run</h2><ul>' + skipped + '</ul>' if skipped else ''}
-<h2 id="coverage">Coverage of bug classes</h2><table><tr><th>kernel</th><th>class</th><th>cases</th><th>failures</th></tr>{coverage}</table>
-{'<h2 id="deviations">Declared deviations</h2><table><tr><th>family</th><th>implementation</th><th>deviation</th><th>reason</th><th>declared in</th><th>cases (showing it)</th><th>status</th></tr>' + deviation_rows + '</table>' if deviation_rows else ''}
-{'<h2 id="declared">Contracts</h2><table><tr><th>kernel</th><th>contract</th></tr>' + declared_rows + '</table>' if declared_rows else ''}
-<h2 id="parameters">Parameter coverage</h2><table><tr><th>kernel</th><th>parameter</th><th>values (cases)</th><th>fixed because</th></tr>{parameter_rows}</table>
+<h2 id="coverage">Coverage of bug classes</h2><table>{_header("kernel", "class", "cases", "failures")}{coverage}</table>
+{deviations}
+{contracts}
+<h2 id="parameters">Parameter coverage</h2><table>{_header("kernel", "parameter", "values (cases)", "fixed because")}\
+{parameter_rows}</table>
 <script>{COPY_SCRIPT}</script>
 </body></html>
 """

@@ -366,7 +366,8 @@ class FlashSpec(KernelSpec[FlashParams]):
         f32_wide_head_retiled_backward=lambda p: (p.dtype == "float32" and p.head_dim == 256
                                                   and len(set(logit_tiles(p))) > 1),
     ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS
-         + values_by_dtype(VALUE_KINDS) + bugclasses.presences(ab=lambda p: p.bias, segment_ids=lambda p: p.segments != "none"))
+         + values_by_dtype(VALUE_KINDS)
+         + bugclasses.presences(ab=lambda p: p.bias, segment_ids=lambda p: p.segments != "none"))
     examples = {"interpret": 20, "interpret-hazards": 6, "tpu-lower": 4, "tpu": 24}
     # Every two-level tiling nested under causal masking at once is a rare draw: 3000 draws
     # of the CI profile's strategy found none once a value kind was added, the nightly's

@@ -461,7 +461,8 @@ class BlockwiseRingSpec(RingSpec):
             and p.seq_len // p.key_chunk_size >= S.SINK_KV_BLOCKS),
         long_reduction_offset_values=lambda p: (
             p.dtype == "bfloat16" and not p.float32_logits and p.values == "offset" and sees_every_key(p)
-            and S.spread_weights(p.scale, p.head_dim) and p.dropout_rate == 0 and p.seq_len // p.key_chunk_size >= S.CANCELLING_KV_BLOCKS),
+            and S.spread_weights(p.scale, p.head_dim) and p.dropout_rate == 0
+            and p.seq_len // p.key_chunk_size >= S.CANCELLING_KV_BLOCKS),
     ) + bugclasses.numbers("dropout_rate", lambda p: p.dropout_rate,
                            ("zero", "in (0, 1)", "not a power of two")).classes + ring_pairs(
         bugclasses.partition("key_chunks", one=lambda p: p.key_chunk_size == p.per_device,

@@ -164,7 +164,10 @@ class SplashSpec(KernelSpec[SplashParams]):
         rng = np.random.default_rng(case.seed)
         dt = S.dtype_of(p.dtype)
         kv_lead = () if p.api == "mqa" else (p.kv_heads,)
-        values = lambda role, shape: S.attention_values(rng, p.values, shape, role=role)
+
+        def values(role, shape):
+            return S.attention_values(rng, p.values, shape, role=role)
+
         # Splash has no scale argument: its callers fold 1/sqrt(D) into q.
         out = {"q": S.round_to(values("q", (p.heads, p.q_len, p.head_dim)) * p.head_dim ** -0.5, dt),
                "k": S.round_to(values("k", kv_lead + (p.kv_len, p.head_dim)), dt),

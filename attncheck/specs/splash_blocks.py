@@ -138,7 +138,10 @@ def segments_vary_across_tiles(p: SplashParams) -> bool:
     ids = segment_ids(p)
     if ids is None:
         return False
-    varies = lambda x, tile: bool((x.reshape(-1, tile) != x.reshape(-1, tile)[0]).any())
+
+    def varies(x, tile):
+        return bool((x.reshape(-1, tile) != x.reshape(-1, tile)[0]).any())
+
     return all(varies(ids[0], bq) and varies(ids[1], bkv) for bq, bkv in pass_blocks(p).values())
 
 

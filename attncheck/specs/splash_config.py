@@ -11,7 +11,8 @@ mask for every head, the block sizes and the kernel's options in one ``SplashCon
 (soft cap, layouts, the reciprocal fused into the kernel, exp2, the dq reduction, stacked
 q heads, the causal diagonal's skipped sub-tiles), and the fused backward only. What it
 computes does not: the cases, the inputs, the oracle, the yardstick and the don't-care rows
-are splash's, so both conventions are judged by one oracle. No implementation ships with attncheck: the family runs with ``--attncheck-impl``
+are splash's, so both conventions are judged by one oracle. No implementation ships with
+attncheck: the family runs with ``--attncheck-impl``
 (``attncheck.third_party.tokamax:make_splash_mha``).
 """
 

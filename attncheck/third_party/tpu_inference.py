@@ -124,4 +124,5 @@ def _ragged_paged_attention_v3_hd64(queries, keys, values, kv_cache, kv_lens, pa
     return out, _convention_cache(updated, _hd64_cache(kv_cache, num_kv_heads), kv_cache, num_kv_heads)
 
 
-_ragged_paged_attention_v3_hd64.__name__ = _ragged_paged_attention_v3_hd64.__qualname__ = "ragged_paged_attention_v3_hd64"
+_ragged_paged_attention_v3_hd64.__name__ = "ragged_paged_attention_v3_hd64"
+_ragged_paged_attention_v3_hd64.__qualname__ = "ragged_paged_attention_v3_hd64"

@@ -28,7 +28,8 @@ def _imports(path: pathlib.Path, module: str, modules) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
             names = [f"{base}.{alias.name}" for alias in node.names]
             found.update(name for name in names if name in modules)
             if not all(name in modules for name in names):

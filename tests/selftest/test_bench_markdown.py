@@ -54,7 +54,8 @@ def test_the_page_holds_the_figures_of_its_bench_json():
     assert "| nauto-cold | auto | cold | no report (exit 1) | 951 s |" in page
     # kernel = kernel + lower + inputs' compile = 322 of a total of 390; compiled 262 of it.
     assert "| nauto-warm | 390.0 s | 322.0 s | 83% | 262.0 s | 81% | 30.0 s | 25.0 s | 10.0 s | 3.0 s |" in page
-    assert "2 shards, warm, one after another: 60.5 s, 58 s (2 runners in parallel: 60.5 s); merged verdict PASS" in page
+    assert ("2 shards, warm, one after another: 60.5 s, 58 s (2 runners in parallel: 60.5 s); "
+            "merged verdict PASS") in page
     assert "equals the unsharded run's" in page
     assert "2 warm gates in a row: 0 hung (stopped at 1200 s); wall 97-267 s; 2 PASS." in page
 

@@ -42,8 +42,9 @@ def test_an_implementation_without_a_declaration_takes_every_case():
         domain.of(not_a_domain)
 
 
-@pytest.mark.parametrize("t, s, fitted", [(8, 128, (128, 256)), (128, 128, (128, 128)), (200, 100, (256, 128)), (100, 120, (128, 256)), (120, 100, (256, 128)),
-                                          (1, 4096, (128, 4096)), (130, 7, (256, 128))])
+@pytest.mark.parametrize("t, s, fitted", [(8, 128, (128, 256)), (128, 128, (128, 128)), (200, 100, (256, 128)),
+                                          (100, 120, (128, 256)), (120, 100, (256, 128)), (1, 4096, (128, 4096)),
+                                          (130, 7, (256, 128))])
 def test_fitted_sequences_are_multiples_and_keep_t_below_equal_or_above_s(t, s, fitted):
     params = dataclasses.replace(coverage.examples(dpa.SPEC)[0].params, q_len=t, kv_len=s, q_lengths=None,
                                  kv_lengths=None)

@@ -555,7 +555,8 @@ def test_the_report_names_each_limitation_once_per_backend_and_stays_a_fail():
     assert report.verdict == "FAIL" and report.problems == []  # the error records fail it, not the lines
     assert report.to_json()["limitations"] == lines
     markdown = render.render_markdown(report)
-    assert f"## Not run: unsupported by interpret mode or by the implementation\n\n- {lines[0]}\n- {lines[1]}\n" in markdown
+    heading = "## Not run: unsupported by interpret mode or by the implementation"
+    assert f"{heading}\n\n- {lines[0]}\n- {lines[1]}\n" in markdown
     assert f"<li>{lines[1]}</li>" in render.render_html(report)
     assert report_of([record("c2", backend="interpret")]).limitations == []
 

@@ -162,7 +162,8 @@ def test_wrong_scale_fails_the_gate_and_last_failed_rerun_reflects_the_fix(gate_
     assert f"{repro} --report rep" in {r["repro"] for r in failing}
     markdown = (gate_dir / "rep" / "report.md").read_text()
     assert markdown.startswith("# attncheck: FAIL")
-    assert "## Failures" in markdown and f"<code>{case_id}</code>" in markdown and f"<code>{repro} --report rep</code>" in markdown
+    assert "## Failures" in markdown and f"<code>{case_id}</code>" in markdown
+    assert f"<code>{repro} --report rep</code>" in markdown
     result.stdout.fnmatch_lines([f"*reproduce: {repro}*"])
 
     # --lf with the fixed implementation: only the failed tests run (same node ids: the

@@ -71,7 +71,8 @@ def test_catalogue_size_and_spread():
     # --attncheck-spec is not part of the catalogue).
     # A family without a kernel of its own (ragged_paged_attention_v3) has none to mutate.
     builtin = {name for name, spec in specs.all_specs().items()
-               if spec.default_impls and all(ref.startswith("attncheck_kernels.") for ref in spec.default_impls.values())}
+               if spec.default_impls
+               and all(ref.startswith("attncheck_kernels.") for ref in spec.default_impls.values())}
     missing = builtin - {m.family for m in CATALOGUE}
     assert not missing, f"kernel families without mutants: {sorted(missing)}"
     for m in CATALOGUE:

@@ -117,8 +117,7 @@ def build(spec, *, shuffle_pages, filler):
     kv_lens[:num_seqs] = spec.kv_lens
     cu_q_lens = np.zeros(spec.max_num_seqs + 1)  # zeros past num_seqs: not non-decreasing, never read
     cu_q_lens[1:num_seqs + 1] = np.cumsum(spec.q_lens)
-    as_i32 = (lambda x: np.asarray(x, dtype=np.int32))
-    args = (queries, kv_pages, as_i32(kv_lens), as_i32(page_indices), as_i32(cu_q_lens), as_i32([num_seqs]))
+    args = (queries, kv_pages, *(np.asarray(x, dtype=np.int32) for x in (kv_lens, page_indices, cu_q_lens, [num_seqs])))
     return Problem(args, keys, values)
 
 
@@ -201,7 +200,9 @@ def test_low_precision_pages_are_upcast_exactly():
 
 def _valid_problem():
     """Two live sequences (q_len, kv_len) = (2, 3) and (1, 4), page_size 2, max_num_seqs 3."""
-    i32 = (lambda x: np.array(x, dtype=np.int32))
+    def i32(x):
+        return np.array(x, dtype=np.int32)
+
     return dict(queries=np.zeros((4, 2, 4)), kv_pages=np.zeros((5, 2, 2, 4)), kv_lens=i32([3, 4, 0]),
                 page_indices=i32([[0, 1], [2, 3], [4, 4]]), cu_q_lens=i32([0, 2, 3, 3]), num_seqs=i32([2]),
                 sm_scale=0.5)

@@ -49,7 +49,8 @@ def test_the_surface_names_every_keyword_config_field_and_array_axis():
     seg = Segments(np.zeros((2, 8), np.int32), np.zeros((2, 8), np.int32))
     found = parameters.surface(kernel, (q, q, q), dict(segment_ids=seg, causal=True, block_sizes=Blocks(64)))
     assert found == {
-        "q": "<array>", "k": "<array>", "v": "<array>", "q.dtype": "float32", "q.shape[0]": "2", "q.shape[1]": "4", "q.shape[2]": "8", "q.shape[3]": "16",
+        "q": "<array>", "k": "<array>", "v": "<array>",
+        "q.dtype": "float32", "q.shape[0]": "2", "q.shape[1]": "4", "q.shape[2]": "8", "q.shape[3]": "16",
         "k.dtype": "float32", "k.shape[0]": "2", "k.shape[1]": "4", "k.shape[2]": "8", "k.shape[3]": "16",
         "v.dtype": "float32", "v.shape[0]": "2", "v.shape[1]": "4", "v.shape[2]": "8", "v.shape[3]": "16",
         "ab": "None", "segment_ids": "<Segments>", "segment_ids.q": "<array>", "segment_ids.kv": "<array>",
@@ -174,8 +175,8 @@ def test_an_unreached_cell_is_a_coverage_problem_named_in_the_report(tmp_path):
     from attncheck.report import render
 
     text = "\n".join(render.render_parameters_markdown(report))
-    assert ("<code>scale</code>, cases per cell: negative 1, zero 0 (outside the convention: no zero scale), in (0, 1) 1, "
-            "**one 0**, **above 1 0**, not a power of two 1") in text
+    assert ("<code>scale</code>, cases per cell: negative 1, zero 0 (outside the convention: no zero scale), "
+            "in (0, 1) 1, **one 0**, **above 1 0**, not a power of two 1") in text
 
 
 def test_the_probe_lives_in_the_implementations_module_under_its_own_name():

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from attncheck import compiled
+from attncheck import compiled, selection
 from tests.selftest import chaos, harness, toy_spec
 
 CHAOS = "tests.selftest.chaos"
@@ -263,9 +263,7 @@ def test_a_process_that_dies_leaves_incomplete_not_the_previous_pass_and_can_be_
 
 
 # ------------------------------------------------------------------ invalid inputs
-def invalid_input_test(impl_name: str, fn) -> "selection.InvalidInputTest":
-    from attncheck import selection
-
+def invalid_input_test(impl_name: str, fn) -> selection.InvalidInputTest:
     rank, = [c for c in toy_spec.SPEC.invalid_calls(fn) if c.description == "rank"]
     ref = toy_spec.SPEC.default_impls.get(impl_name, f"{CHAOS}:{fn.__name__}")
     return selection.InvalidInputTest(toy_spec.SPEC, impl_name, ref, rank)

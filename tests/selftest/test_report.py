@@ -68,7 +68,8 @@ def record(case: str = "c0", *, kernel: str = "toy_attention", impl: str = "buil
     return Record(
         case_id=case_id, case={"family": kernel, "params": {"name": case}, "seed": 1}, kernel=kernel, impl=impl,
         impl_ref="pkg.mod:fn", backend=backend, backend_settings={}, dtype=dtype, seq_len=seq_len,
-        device_count=devices, classes=tuple(classes), repro=f"attncheck repro {case_id} --impl {impl} --backend {backend}",
+        device_count=devices, classes=tuple(classes),
+        repro=f"attncheck repro {case_id} --impl {impl} --backend {backend}",
         nodeid=nodeid, direction=direction, outcome=outcome, timings={"kernel_s": 0.01},
         reason=reason or ("ok" if outcome == "pass" else "max abs error 1 > allowed 1e-6"),
         metrics=None if budget is None else metrics(budget, max_abs),
@@ -141,7 +142,8 @@ def test_error_lowering_and_nonfinite_records_match_the_schema(tmp_path):
     writer = rec.RecordWriter(tmp_path, RUN_ID, "gw3")
     for outcome in produced.values():
         for r in outcome.records:
-            writer.write(dataclasses.replace(r, nodeid="test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla]"))
+            writer.write(dataclasses.replace(
+                r, nodeid="test_gate.py::test_kernel_matches_oracle[toy_attention-user-xla]"))
     lines = [_strict_json(line) for line in writer.path.read_text().splitlines()]
     for line in lines:
         RECORD_VALIDATOR.validate(line)
@@ -252,7 +254,8 @@ def test_coverage_counts_cases_per_class_and_their_failures():
 def _row(worst_budget: float, dtype: str = "float32", impl: str = "builtin", direction: str = "out",
          failures: int = 0) -> model.SummaryRow:
     return model.SummaryRow("toy_attention", impl, "xla", dtype, direction, cases=1, comparisons=1, failures=failures,
-                            worst_budget=worst_budget, worst_case="toy_attention-000000000000", worst_repro="attncheck repro x")
+                            worst_budget=worst_budget, worst_case="toy_attention-000000000000",
+                            worst_repro="attncheck repro x")
 
 
 def _accepted(*budgets: tuple[float, str]) -> accepted.AcceptedBudgets:
@@ -617,7 +620,8 @@ def test_the_verdict_is_pass_only_with_every_target_verified_and_nothing_wrong(u
 def test_targets_asked_for_without_a_case_are_named():
     records = [record("c0")]
     asked = {"toy_attention-builtin-xla": "its tests: 1 passed", "toy_attention-lse-xla": "its tests: 2 skipped"}
-    assert model.unverified_targets(records, asked) == ["toy_attention-lse-xla: no case verified (its tests: 2 skipped)"]
+    assert model.unverified_targets(records, asked) == [
+        "toy_attention-lse-xla: no case verified (its tests: 2 skipped)"]
     assert model.unverified_targets(records, {})[0].startswith("no gate test was selected")
 
 

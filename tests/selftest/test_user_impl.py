@@ -38,7 +38,8 @@ def test_invalid_calls_that_cannot_be_built_are_one_failing_test_not_a_collectio
     monkeypatch.setattr(spec, "invalid_calls", lacks_a_helper)
     tests = selection.invalid_input_tests(selection.Options(kernels="flash_attention"))
     assert [(t.id, t.call, t.unbuilt) for t in tests] == [
-        ("flash_attention-builtin-invalid_calls", None, "AttributeError: module 'theirs' has no attribute 'BlockSizes'")]
+        ("flash_attention-builtin-invalid_calls", None,
+         "AttributeError: module 'theirs' has no attribute 'BlockSizes'")]
 
 
 # ------------------------------------------------------------------ what an implementation returns
@@ -87,7 +88,8 @@ def test_a_tuple_where_an_array_is_expected_is_an_error_in_chex_words():
             in traced["all"].reason), traced["all"].reason
     judged = _records(returns_tuple, HandsOnSpec())["out"]
     assert judged.outcome == "error", judged.reason
-    assert judged.reason == f"out: the implementation returned tuple, expected an array of shape {TOY_SHAPE} {chex_says}"
+    assert judged.reason == (f"out: the implementation returned tuple, expected an array of shape {TOY_SHAPE} "
+                             f"{chex_says}")
 
 
 def test_an_output_in_another_dtype_fails_in_chex_words_and_a_right_one_passes():
