@@ -122,7 +122,7 @@ FINDINGS = (
       for name, title, source, held_as in (
           ("diag_skip_offset", "qk_diag_skip or sv_diag_skip with a CausalMask whose offset is not a whole number "
            "of blocks skips visible sub-tiles: out and gradients silently wrong (SplashConfig promises it raises)",
-           "splash_attention_kernel.py 739-770, 2894-2903", "bug_class:diag_skip_offset_inside_block"),
+           "splash_attention_kernel.py 739-770, 2894-2903", "bug_class:diag_skip_over_visible_keys"),
           ("backward_block_nan", "as in jax's splash: a forward q block without visible keys inside a larger "
            "backward q block makes dq, dk, dv NaN", "splash_attention_kernel.py 608-958, 1871-2193",
            "bug_class:forward_nan_rows_reach_backward"),

@@ -83,6 +83,31 @@ def _diag_offset(p: SplashConfigParams) -> int:
     return p.masks[0][1]  # a diagonal skip is drawn for a causal mask alone
 
 
+def _skip_drops_visible_keys(p: SplashConfigParams, block: int) -> bool:
+    """Whether the diagonal skip leaves out a logit a query sees, on square blocks of ``block``.
+
+    The skip takes every partial block for a diagonal one: it splits it into a
+    ``qk_diag_grid`` sub-grid and leaves out each sub-tile whose kv band is after its q band.
+    That holds where the causal diagonal runs through the block's corners; a partial block
+    off the diagonal (an offset that is not a whole number of blocks puts one below it) has
+    visible keys in those sub-tiles.
+    """
+    mask, seen = blocks.head_masks(p)[0], blocks.visible(p)[0]
+    band = np.arange(block) // (block // p.qk_diag_grid)
+    left_out = band[None, :] > band[:, None]  # [q, kv] within a block
+    tiles = seen.reshape(p.q_len // block, block, p.kv_len // block, block).swapaxes(1, 2)
+    return bool((tiles[blocks.occupancy(mask, block, block) == 1] & left_out).any())
+
+
+def _diag_skip_drops_visible_keys(p: SplashConfigParams) -> bool:
+    # The forward skips only for one stacked q head (sv only with v's head dim minor); the
+    # backward's qk skip, on its own blocks, has no such condition.
+    forward = p.num_stacked_q_heads == 1 and ("qk" in p.diag_skip or (
+        "sv" in p.diag_skip and p.layouts[2] == "HEAD_DIM_MINOR"))
+    return (forward and _skip_drops_visible_keys(p, p.block_sizes["block_q"])) or (
+        "qk" in p.diag_skip and _skip_drops_visible_keys(p, p.block_sizes["block_q_dkv"]))
+
+
 # jax's splash classes a 2-D mask and the fused backward cannot reach.
 UNREACHABLE = ("per_head_masks_within_kv_group", "dq_kernel_over_kv_blocks")
 PAIRS = bugclasses.pairwise(
@@ -104,11 +129,11 @@ class SplashConfigSpec(splash.SplashSpec):
         qk_diag_skip=lambda p: "qk" in p.diag_skip,
         sv_diag_skip=lambda p: "sv" in p.diag_skip,
         diag_sub_grid_4=lambda p: bool(p.diag_skip) and p.qk_diag_grid == 4,
-        # The skip takes the diagonal to run through each partial block's own corner: with
-        # an offset of whole blocks it does, with any other it does not.
+        # With an offset of whole blocks the diagonal runs through every partial block's
+        # corners, where the skip leaves out only hidden keys.
         diag_skip_offset_whole_blocks=lambda p: bool(p.diag_skip) and _diag_offset(p) != 0 == _diag_offset(p) % (
             p.block_sizes["block_q"]),
-        diag_skip_offset_inside_block=lambda p: bool(p.diag_skip) and _diag_offset(p) % p.block_sizes["block_q"] != 0,
+        diag_skip_over_visible_keys=_diag_skip_drops_visible_keys,
         diag_skip_kv_blocks_several=lambda p: bool(p.diag_skip) and p.block_sizes["block_kv"] < p.kv_len,
         dkv_reuse_scaled_q=lambda p: p.dkv_reuse_scaled_q,
         every_key_hidden=lambda p: not blocks.head_masks(p).any(),

@@ -17,8 +17,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 
 from attncheck import check, oracle, yardstick
 from attncheck.backends import BACKENDS
+from attncheck.cases import Case
 from attncheck.compiled import impl_module, impl_origin
-from attncheck.specs import all_specs, resolve_impl, splash_blocks, splash_cases, splash_masks
+from attncheck.specs import all_specs, resolve_impl, splash_blocks, splash_cases, splash_config, splash_masks
 
 SHAPES = sorted({(s[3], s[4]) for s in splash_cases.SHAPES})  # (q_len, kv_len)
 
@@ -153,6 +154,27 @@ def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_b
 def test_the_declared_crash_is_one_mask_without_partial_blocks_over_q_shards(masks, q_seq_shards, fused, crashes):
     p = params(q_len=256, kv_len=256, masks=masks, q_seq_shards=q_seq_shards, fused_bwd=fused)
     assert splash_blocks.q_seq_shards_without_partial_blocks(p) is crashes
+
+
+@pytest.mark.parametrize("q_len, offset, skip, stacked, drops", [
+    (256, -16, "qk", 1, True),  # q block 1 x kv block 0 is partial, below the diagonal
+    (256, -16, "sv", 1, True),
+    (256, 16, "qk", 1, True),  # the diagonal blocks hold visible keys above their own diagonal
+    (256, 16, "sv", 1, True),
+    (128, -16, "qk", 1, False),  # one q block: its only partial block is the diagonal one
+    (256, 0, "qk", 1, False),
+    (256, -128, "sv", 1, False),  # whole blocks: the diagonal runs through the corners
+    (256, -16, "sv", 2, False),  # stacked q heads: the forward does not skip, the backward skips qk only
+    (256, -16, "qk", 2, True),
+])
+def test_the_declared_diag_skip_finding_is_a_visible_key_in_a_left_out_sub_tile(q_len, offset, skip, stacked, drops):
+    """Measured with tokamax 0.0.17 (kv_len 256, blocks of 128, sub-grid 2; the cases with one
+    stacked head by findings/repro_tokamax_splash_diag_skip_offset.py's kernel): the output
+    deviates by 0.4 to 0.6 exactly where drops is True, and agrees with float64 to 1e-6 elsewhere."""
+    p = splash_config.SplashConfigParams(**dataclasses.asdict(params(q_len=q_len, masks=(("causal", offset),) * 2)),
+                                         diag_skip=(skip,), num_stacked_q_heads=stacked)
+    exercised = splash_config.SplashConfigSpec().classes(Case(splash_config.FAMILY, p, seed=0))
+    assert ("diag_skip_over_visible_keys" in exercised) is drops
 
 
 HIDES_EVERY_KEY = ("and", ("causal", -128), ("local", 32, 16, 0))  # drawn by the nightly profile

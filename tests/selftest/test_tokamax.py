@@ -86,11 +86,11 @@ def test_splash_passes_on_every_backend_with_its_findings_declared(tmp_path):
     ran = {r["backend"] for r in report["records"] if r["outcome"] == "pass"}
     assert {"interpret", "interpret-hazards", "tpu-lower"} <= ran, ran
     declared = {d["entry"]["name"]: d["status"] for d in report["deviations"] if d["entry"]["implementation"] == SPLASH}
-    assert declared == dict.fromkeys(("diag_skip_offset_inside_block", "forward_nan_rows_reach_backward",
+    assert declared == dict.fromkeys(("diag_skip_over_visible_keys", "forward_nan_rows_reach_backward",
                                       "every_key_hidden", "kv_longer_than_mask"), "occurs"), declared
 
     proc, report = _gate(tmp_path / "undeclared", SPLASH, "interpret", "-k", "matches_oracle",
                          family="splash_attention_config")
     failing = {c for r in report["records"] if r["outcome"] in ("fail", "error") for c in r["classes"]}
-    assert report["verdict"] == "FAIL" and {"diag_skip_offset_inside_block", "forward_nan_rows_reach_backward",
+    assert report["verdict"] == "FAIL" and {"diag_skip_over_visible_keys", "forward_nan_rows_reach_backward",
                                             "every_key_hidden"} <= failing, sorted(failing)
