@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -120,6 +121,9 @@ def _ragged_paged_attention_v3_hd64(queries, keys, values, kv_cache, kv_lens, pa
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, q_scale=q_scale, k_scale=k_scale,
         v_scale=v_scale, chunk_prefill_size=chunk_prefill_size, vmem_limit_bytes=vmem_limit_bytes, **blocks,
         **options)
+    # Waited for before the eager ops below: dispatched while the interpreted kernel still
+    # runs (a second call of it, compiled), they deadlock with its simulated cores on CPU.
+    out, updated = jax.block_until_ready((out, updated))
     # The kernel donated the cache it was given: what it held is converted again.
     return out, _convention_cache(updated, _hd64_cache(kv_cache, num_kv_heads), kv_cache, num_kv_heads)
 

@@ -122,3 +122,36 @@ def test_the_hd64_kernel_is_verified_on_its_head_dim_with_its_deviations_declare
     assert len({r["case_id"] for r in ran}) >= 10
     assert {r["case"]["params"]["head_dim"] for r in ran} == {64}
     assert {r["case"]["params"]["out_dtype"] for r in ran} == {None}
+
+
+# Two nightly cases of hd64 that ran back to back in one worker (the second one's last
+# sequence shortened to one token): the second call of the compiled kernel never returned.
+_BACK_TO_BACK = '''
+import sys
+from attncheck import env
+env.configure()
+from attncheck import check
+from attncheck.specs import ragged_v3
+params = dict(blocks="default", chunk_prefill_size=None, distribution=(1, 1, 4), dtype="bfloat16", head_dim=64,
+              k_scale=0.3, kv_dtype="float8_e4m3fn", layout="wide", mask_value=-1e30, num_kv_heads=1, num_q_heads=4,
+              out_dtype=None, page_size=16, q_scale=1.3, sliding_window=None, sm_scale=-0.5, soft_cap=0.7,
+              v_scale=0.7, values="normal", vmem_limit_bytes=None)
+target = check.Target.named(ragged_v3.SPEC, "user", sys.argv[1], "interpret-hazards", ())
+for last in ((18, 31), (1, 1)):
+    case = ragged_v3.SPEC.case(131, **params, seqs=((1, 29), (27, 131), (6, 27), last))
+    records = check.check_case(target, case).records
+    print(last, sorted((r.direction, r.passed) for r in records), [r.reason for r in records if not r.passed],
+          flush=True)
+'''
+
+
+def test_the_hd64_adapter_returns_on_a_second_call_of_its_compiled_kernel(wheel):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {"PYTHONPATH": str(ROOT)}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, f"{IMPL}_hd64"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the second call did not return in 300 s; it printed: {exc.stdout}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [f"{last} [('kv_cache', True), ('out', True)] []"
+                                        for last in ("(18, 31)", "(1, 1)")], proc.stdout
