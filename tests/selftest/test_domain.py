@@ -12,7 +12,7 @@ import pytest
 
 from attncheck import check, coverage, domain, selection
 from attncheck.backends import BACKENDS
-from attncheck.specs import dpa
+from attncheck.specs.dpa import spec as dpa
 
 
 @domain.declare(sequence_multiple=128, supports=lambda p: p.bias == "none", description="no bias")
