@@ -16,8 +16,8 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.ring",
     "attncheck.specs.splash",
     "attncheck.specs.splash_config",
-    "attncheck.specs.paged",
-    "attncheck.specs.dpa",
+    "attncheck.specs.paged.spec",
+    "attncheck.specs.dpa.spec",
 )
 SPEC_MODULES = list(BUILTIN_SPEC_MODULES)
 

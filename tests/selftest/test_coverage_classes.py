@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from attncheck import coverage
-from attncheck.specs import all_specs, dpa, flash, paged, ragged
+from attncheck.specs import all_specs, flash, ragged
+from attncheck.specs.dpa.classes import some_row_sees_no_key
+from attncheck.specs.dpa.params import DPAParams
+from attncheck.specs.dpa.spec import SPEC as DPA
+from attncheck.specs.paged.params import SHAPES as PAGED_SHAPES
+from attncheck.specs.paged.spec import SPEC as PAGED
 
 
 def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> ragged.RaggedParams:
@@ -119,9 +124,9 @@ def test_ring_segment_after_first_key_chunk():
     assert "segment_after_first_key_chunk" not in spec.classes(spec.case(0, **base, segment_starts=(0, 7)))
 
 
-def paged_classes(lengths, *, megacore=None, inline=True, shape=paged.SHAPES[1]) -> list[str]:
+def paged_classes(lengths, *, megacore=None, inline=True, shape=PAGED_SHAPES[1]) -> list[str]:
     batch, q_heads, kv_heads, head_dim, page_size, pages = shape
-    return paged.SPEC.classes(paged.SPEC.case(
+    return PAGED.classes(PAGED.case(
         0, dtype="float32", page_dtype="float32", batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
         page_size=page_size, pages_per_sequence=pages, pages_per_compute_block=1, lengths=lengths,
         megacore_mode=megacore, inline_seq_dim=inline, soft_cap=None, values="normal"))
@@ -138,11 +143,11 @@ def test_paged_prefetch_loops_over_empty_sequences_only_between_two_with_work(le
 
 
 def test_paged_megacore_classes_need_a_second_step_per_core_with_work():
-    two_kv_steps = paged.SHAPES[0]  # 4 kv heads: 2 per core
+    two_kv_steps = PAGED_SHAPES[0]  # 4 kv heads: 2 per core
     assert "megacore_kv_head" in paged_classes((3, 5), megacore="kv_head", shape=two_kv_steps)
     # One sequence with work: the prefetch after a core's last kv head goes nowhere.
     assert "megacore_kv_head" not in paged_classes((0, 5), megacore="kv_head", shape=two_kv_steps)
-    assert "megacore_kv_head" not in paged_classes((3, 5), megacore="kv_head", shape=paged.SHAPES[1])
+    assert "megacore_kv_head" not in paged_classes((3, 5), megacore="kv_head", shape=PAGED_SHAPES[1])
     assert "megacore_batch_inline" in paged_classes((1, 2, 3, 4), megacore="batch")
     assert "megacore_batch_grid" in paged_classes((1, 2, 3, 4), megacore="batch", inline=False)
     # Equal lengths hide a core reading another core's length; with 2 sequences each core
@@ -151,24 +156,24 @@ def test_paged_megacore_classes_need_a_second_step_per_core_with_work():
     assert "megacore_batch_inline" not in paged_classes((1, 2), megacore="batch", shape=two_kv_steps)
 
 
-def dpa_params(**changes) -> dpa.DPAParams:
+def dpa_params(**changes) -> DPAParams:
     base = dict(dtype="float32", batch=2, q_len=6, kv_len=8, q_heads=4, kv_heads=2, head_dim=16, scale=None,
                 bias="none", mask="none", mask_empties_rows=False, is_causal=False, window=None, q_lengths=None,
                 kv_lengths=None, values="normal")
-    return dpa.DPAParams(**base | changes)
+    return DPAParams(**base | changes)
 
 
 def test_dpa_window_right_side_needs_no_causal_mask():
-    classes = dict((c.name, c.applies) for c in dpa.SPEC.bug_classes)
+    classes = dict((c.name, c.applies) for c in DPA.bug_classes)
     assert classes["window_right_side"](dpa_params(window=(2, 1)))
     assert not classes["window_right_side"](dpa_params(window=(2, 1), is_causal=True))
     assert not classes["window_right_side"](dpa_params(window=(4, 0)))
 
 
 def test_dpa_fully_masked_row_counts_only_rows_within_their_query_length():
-    assert dpa.some_row_sees_no_key(dpa_params(kv_lengths=(0, 3)))
-    assert not dpa.some_row_sees_no_key(dpa_params(kv_lengths=(0, 3), q_lengths=(0, 6)))
-    assert dpa.some_row_sees_no_key(dpa_params(mask="shared", mask_empties_rows=True))
+    assert some_row_sees_no_key(dpa_params(kv_lengths=(0, 3)))
+    assert not some_row_sees_no_key(dpa_params(kv_lengths=(0, 3), q_lengths=(0, 6)))
+    assert some_row_sees_no_key(dpa_params(mask="shared", mask_empties_rows=True))
 
 
 @pytest.mark.parametrize("family", ["ring_attention", "ring_attention_standard", "ring_flash_attention"])

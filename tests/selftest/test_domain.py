@@ -12,7 +12,7 @@ import pytest
 
 from attncheck import check, coverage, domain, selection
 from attncheck.backends import BACKENDS
-from attncheck.specs import dpa
+from attncheck.specs.dpa.spec import SPEC as DPA
 
 
 @domain.declare(sequence_multiple=128, supports=lambda p: p.bias == "none", description="no bias")
@@ -46,15 +46,15 @@ def test_an_implementation_without_a_declaration_takes_every_case():
                                           (100, 120, (128, 256)), (120, 100, (256, 128)), (1, 4096, (128, 4096)),
                                           (130, 7, (256, 128))])
 def test_fitted_sequences_are_multiples_and_keep_t_below_equal_or_above_s(t, s, fitted):
-    params = dataclasses.replace(coverage.examples(dpa.SPEC)[0].params, q_len=t, kv_len=s, q_lengths=None,
+    params = dataclasses.replace(coverage.examples(DPA)[0].params, q_len=t, kv_len=s, q_lengths=None,
                                  kv_lengths=None)
-    got = dpa.SPEC.fit_sequences(params, 128)
+    got = DPA.fit_sequences(params, 128)
     assert (got.q_len, got.kv_len) == fitted
 
 
 def test_a_case_outside_the_domain_is_one_unsupported_record_and_fitted_cases_are_judged():
-    target = check.Target(dpa.SPEC, "user", tiled_attention, BACKENDS["xla"], ref=TILED)
-    examples = coverage.examples(dpa.SPEC)
+    target = check.Target(DPA, "user", tiled_attention, BACKENDS["xla"], ref=TILED)
+    examples = coverage.examples(DPA)
     unfitted = next(c for c in examples if c.params.q_len % 128)
     [record] = check.check_case(target, unfitted).records
     assert (record.outcome, record.direction, record.expected) == ("error", "all", domain.DECLARED)
@@ -82,8 +82,8 @@ def float32_attention(query, key, value, bias=None, mask=None, **kwargs):
 
 
 def test_a_parameter_the_implementation_takes_one_value_of_is_set_in_its_draws():
-    target = check.Target(dpa.SPEC, "user", float32_attention, BACKENDS["xla"], ref=f"{__name__}:float32_attention")
-    bf16 = next(c for c in coverage.examples(dpa.SPEC) if c.params.dtype == "bfloat16")
+    target = check.Target(DPA, "user", float32_attention, BACKENDS["xla"], ref=f"{__name__}:float32_attention")
+    bf16 = next(c for c in coverage.examples(DPA) if c.params.dtype == "bfloat16")
     fitted = target.fit(bf16)
     assert fitted.params == dataclasses.replace(bf16.params, dtype="float32") and fitted.seed == bf16.seed
     assert target.refusal(fitted) is None
@@ -95,6 +95,6 @@ def test_a_parameter_the_implementation_takes_one_value_of_is_set_in_its_draws()
 def test_a_parameter_the_family_does_not_have_stops_the_run():
     misspelt = domain.declare(takes={"d_type": "float32"})(lambda *a, **k: None)
     with pytest.raises(ValueError, match=r"takes names \['d_type'\], which are not parameters of DPAParams"):
-        domain.check_takes(domain.of(misspelt), dpa.SPEC.params_type)
+        domain.check_takes(domain.of(misspelt), DPA.params_type)
     with pytest.raises(TypeError, match="takes must map parameter names"):
         domain.Domain(takes=["dtype"])
