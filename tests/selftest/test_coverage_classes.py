@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from attncheck import coverage
-from attncheck.specs import all_specs, dpa, flash, paged, ragged
+from attncheck.specs import all_specs, dpa, paged, ragged
+from attncheck.specs.flash import spec as flash
 
 
 def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> ragged.RaggedParams:
