@@ -9,7 +9,7 @@ from attncheck import coverage
 from attncheck.specs import all_specs, dpa, paged, ragged
 from attncheck.specs.flash import classes as flash_classes
 from attncheck.specs.flash import spec as flash_spec
-from attncheck.specs.flash.params import BLOCK_FIELDS, FlashParams
+from attncheck.specs.flash.params import BLOCK_FIELDS, BlockSizes, FlashParams
 
 
 def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> ragged.RaggedParams:
@@ -69,7 +69,7 @@ def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks) -> Fl
     sizes = {name: 1 if name == "block_b" else 128 for name in BLOCK_FIELDS} | blocks
     return FlashParams(dtype="float32", batch=1, heads=1, q_len=q_len, kv_len=kv_len, head_dim=128,
                        causal=causal, sm_scale=1.0, bias=True, segments="packed" if segment_starts else "none",
-                       segment_starts=segment_starts, values="normal", blocks=tuple(sizes.items()))
+                       segment_starts=segment_starts, values="normal", blocks=BlockSizes(**sizes))
 
 
 def test_causal_skips_in_every_pass_needs_a_kv_block_past_the_first_q_tile_in_each():

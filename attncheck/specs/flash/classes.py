@@ -21,12 +21,12 @@ NESTED_TILINGS = ("fwd_kv", "dkv_q", "dkv_kv", "dq_kv")
 
 
 def nested_tilings(p: FlashParams) -> list[str]:
-    blocks = p.block_sizes
+    blocks = p.blocks
     q_len, kv_len = p.q_len, p.kv_len
-    levels = {"fwd_kv": (kv_len, blocks["block_k_major"], blocks["block_k"]),
-              "dkv_q": (q_len, blocks["block_q_major_dkv"], blocks["block_q_dkv"]),
-              "dkv_kv": (kv_len, blocks["block_k_major_dkv"], blocks["block_k_dkv"]),
-              "dq_kv": (kv_len, blocks["block_k_major_dq"], blocks["block_k_dq"])}
+    levels = {"fwd_kv": (kv_len, blocks.block_k_major, blocks.block_k),
+              "dkv_q": (q_len, blocks.block_q_major_dkv, blocks.block_q_dkv),
+              "dkv_kv": (kv_len, blocks.block_k_major_dkv, blocks.block_k_dkv),
+              "dq_kv": (kv_len, blocks.block_k_major_dq, blocks.block_k_dq)}
     return [axis for axis in NESTED_TILINGS
             if levels[axis][0] > levels[axis][1] > levels[axis][2]
             and min(q_len, kv_len) > levels[axis][1] + levels[axis][2]]
@@ -34,9 +34,9 @@ def nested_tilings(p: FlashParams) -> list[str]:
 
 def pass_tiles(p: FlashParams) -> tuple[tuple[int, int], ...]:
     """Each pass's (q tile, kv block) as its grid fetches them: fwd, dkv, dq."""
-    blocks = p.block_sizes
-    return ((blocks["block_q"], blocks["block_k_major"]), (blocks["block_q_major_dkv"], blocks["block_k_major_dkv"]),
-            (blocks["block_q_dq"], blocks["block_k_major_dq"]))
+    blocks = p.blocks
+    return ((blocks.block_q, blocks.block_k_major), (blocks.block_q_major_dkv, blocks.block_k_major_dkv),
+            (blocks.block_q_dq, blocks.block_k_major_dq))
 
 
 # Each pass's (q tile, kv tile) sizes. Under causal masking a q tile wider than a kv tile
@@ -47,9 +47,9 @@ def pass_tiles(p: FlashParams) -> tuple[tuple[int, int], ...]:
 # coverage example costs a third of three.
 def logit_tiles(p: FlashParams) -> tuple[tuple[int, int], ...]:
     """Each pass's (q tile, kv tile) of the logits it computes: fwd, dkv, dq."""
-    blocks = p.block_sizes
-    return ((blocks["block_q"], blocks["block_k"]), (blocks["block_q_dkv"], blocks["block_k_dkv"]),
-            (blocks["block_q_dq"], blocks["block_k_dq"]))
+    blocks = p.blocks
+    return ((blocks.block_q, blocks.block_k), (blocks.block_q_dkv, blocks.block_k_dkv),
+            (blocks.block_q_dq, blocks.block_k_dq))
 
 
 def q_tiles_wider_than_kv_tiles(p: FlashParams) -> bool:
@@ -140,7 +140,7 @@ def causal_fallback_fetches_hidden_keys(p: FlashParams) -> bool:
     if not (p.causal and emptied_row(p, falls_back=True)):
         return False
     causal, same = emptied_row_keys(p)
-    block_q, block_k = p.block_sizes["block_q"], p.block_sizes["block_k_major"]
+    block_q, block_k = p.blocks.block_q, p.blocks.block_k_major
     last_query = (p.emptied_row // block_q + 1) * block_q - 1
     fetched = np.arange(p.kv_len) < (last_query // block_k + 1) * block_k
     return bool((fetched & ~causal & ~same).any())
@@ -149,9 +149,9 @@ def causal_fallback_fetches_hidden_keys(p: FlashParams) -> bool:
 def _backward_blocks(p: FlashParams) -> tuple[int, int]:
     """The backward passes' major blocks against the forward's, both axes: (how many are
     wider, how many narrower)."""
-    b = p.block_sizes
-    pairs = [(b[f], b["block_q"]) for f in ("block_q_major_dkv", "block_q_dq")] + [
-        (b[f], b["block_k_major"]) for f in ("block_k_major_dkv", "block_k_major_dq")]
+    b = p.blocks
+    pairs = [(b.block_q_major_dkv, b.block_q), (b.block_q_dq, b.block_q),
+             (b.block_k_major_dkv, b.block_k_major), (b.block_k_major_dq, b.block_k_major)]
     return sum(bwd > fwd for bwd, fwd in pairs), sum(bwd < fwd for bwd, fwd in pairs)
 
 
@@ -159,10 +159,10 @@ def _backward_blocks(p: FlashParams) -> tuple[int, int]:
 # the backward's own tiles meet.
 PAIRS = bugclasses.pairwise(
     bugclasses.partition("causal", on=lambda p: p.causal, off=lambda p: not p.causal),
-    bugclasses.partition("q_blocks", one=lambda p: p.block_sizes["block_q"] == p.q_len,
-                         several=lambda p: p.block_sizes["block_q"] < p.q_len),
-    bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_k_major"] == p.kv_len,
-                         several=lambda p: p.block_sizes["block_k_major"] < p.kv_len),
+    bugclasses.partition("q_blocks", one=lambda p: p.blocks.block_q == p.q_len,
+                         several=lambda p: p.blocks.block_q < p.q_len),
+    bugclasses.partition("kv_blocks", one=lambda p: p.blocks.block_k_major == p.kv_len,
+                         several=lambda p: p.blocks.block_k_major < p.kv_len),
     bugclasses.partition("backward_blocks", as_forward=lambda p: _backward_blocks(p) == (0, 0),
                          wider=lambda p: _backward_blocks(p)[0] > 0, narrower=lambda p: _backward_blocks(p)[1] > 0))
 
@@ -171,9 +171,9 @@ BUG_CLASSES = bugclasses.bug_classes(
     causal=lambda p: p.causal,
     fully_masked_row=lambda p: p.segments == "absent",
     block_boundary_straddle=lambda p: p.segments != "none" and any(s % NUM_LANES for s in p.segment_starts[1:]),
-    multi_block_kv=lambda p: p.block_sizes["block_k_major"] != p.kv_len,
-    single_step_kv=lambda p: p.block_sizes["block_k_major"] == p.kv_len,
-    k_major_gt_k=lambda p: p.block_sizes["block_k_major"] > p.block_sizes["block_k"],
+    multi_block_kv=lambda p: p.blocks.block_k_major != p.kv_len,
+    single_step_kv=lambda p: p.blocks.block_k_major == p.kv_len,
+    k_major_gt_k=lambda p: p.blocks.block_k_major > p.blocks.block_k,
     bias=lambda p: p.bias,
     large_logits=lambda p: p.values == "large",
     exact_ties=lambda p: p.values == "ties",
@@ -197,22 +197,22 @@ BUG_CLASSES = bugclasses.bug_classes(
     bias_neg_inf_row_falls_back=lambda p: emptied_row(p, falls_back=True),
     causal_neg_inf_row_falls_back=causal_fallback_fetches_hidden_keys,
     bias_nonfinite_where_masked=lambda p: p.bias and p.bias_values == "nonfinite_masked" and p.causal,
-    block_b_gt_1=lambda p: p.block_sizes["block_b"] > 1,
+    block_b_gt_1=lambda p: p.blocks.block_b > 1,
     # A backward pass whose q or kv blocks are wider than the forward's, under causal
     # masking over several kv blocks: its skipping and offsets are its own.
-    causal_bwd_blocks_wider=lambda p: p.causal and p.block_sizes["block_k_major"] < p.kv_len and (
-        max(p.block_sizes["block_q_major_dkv"], p.block_sizes["block_q_dq"]) > p.block_sizes["block_q"]
-        or max(p.block_sizes["block_k_major_dkv"], p.block_sizes["block_k_major_dq"])
-        > p.block_sizes["block_k_major"]),
+    causal_bwd_blocks_wider=lambda p: p.causal and p.blocks.block_k_major < p.kv_len and (
+        max(p.blocks.block_q_major_dkv, p.blocks.block_q_dq) > p.blocks.block_q
+        or max(p.blocks.block_k_major_dkv, p.blocks.block_k_major_dq)
+        > p.blocks.block_k_major),
     # bfloat16 over many kv blocks of v whose offset cancels in every row: where a running
     # accumulator narrower than float32 shows (the convention accumulates in float32).
     long_reduction_offset_values=lambda p: (p.dtype == "bfloat16" and p.values == "offset" and sees_every_key(p)
                                             and S.spread_weights(p.sm_scale, p.head_dim)
-                                            and p.kv_len // p.block_sizes["block_k"] >= S.CANCELLING_KV_BLOCKS),
+                                            and p.kv_len // p.blocks.block_k >= S.CANCELLING_KV_BLOCKS),
     # bfloat16 over many kv blocks after a sink every row sees, at the scale its margins are
     # drawn for: where a running softmax denominator narrower than float32 shows.
     long_reduction_sink=lambda p: (p.dtype == "bfloat16" and p.values == S.SINK and sees_sink(p)
-                                   and p.kv_len // p.block_sizes["block_k"] >= S.SINK_KV_BLOCKS),
+                                   and p.kv_len // p.blocks.block_k >= S.SINK_KV_BLOCKS),
     # float32 logits over a head dim of 256, recomputed by a backward in other tiles than
     # the forward's: XLA's CPU dot rounds them otherwise there (measured: not at 64 or
     # 128), so the backward's P is not normalised by its own logits. The nightly found the

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 from attncheck import strategies as S
 from attncheck.cases import Case
 from attncheck.specs.flash.params import (BATCH_HEADS, BIAS_VALUE_KINDS, FAMILY, HEAD_DIMS, LONG_KV_LENS, NUM_LANES,
-                                          SEGMENT_DTYPES, SEQ_LENS, SM_SCALES, VALUE_KINDS, VMEM_LIMITS,
+                                          SEGMENT_DTYPES, SEQ_LENS, SM_SCALES, VALUE_KINDS, VMEM_LIMITS, BlockSizes,
                                           FlashParams)
 
 
 @st.composite
-def block_sizes(draw, q_len: int, kv_len: int, batch: int) -> tuple[tuple[str, int], ...]:
+def block_sizes(draw, q_len: int, kv_len: int, batch: int) -> BlockSizes:
     """Valid block sizes for the shape; several per shape, k_major > k reachable, a
     forward tile over several batch elements reachable."""
     q_blocks = S.divisors(q_len, NUM_LANES)
@@ -25,13 +25,13 @@ def block_sizes(draw, q_len: int, kv_len: int, batch: int) -> tuple[tuple[str, i
     q_major_dkv = draw(st.sampled_from(q_blocks))
     k_major_dkv = draw(st.sampled_from(k_majors))
     k_major_dq = draw(st.sampled_from(k_majors))
-    return (("block_q", block_q), ("block_k_major", k_major), ("block_k", block_k),
-            ("block_b", draw(st.sampled_from(S.divisors(batch, 1)))),
-            ("block_q_major_dkv", q_major_dkv), ("block_k_major_dkv", k_major_dkv),
-            ("block_k_dkv", draw(st.sampled_from(S.divisors(k_major_dkv, NUM_LANES)))),
-            ("block_q_dkv", draw(st.sampled_from(S.divisors(q_major_dkv, NUM_LANES)))),
-            ("block_k_major_dq", k_major_dq), ("block_k_dq", draw(st.sampled_from(S.divisors(k_major_dq, NUM_LANES)))),
-            ("block_q_dq", draw(st.sampled_from(q_blocks))))
+    return BlockSizes(block_q=block_q, block_k_major=k_major, block_k=block_k,
+                      block_b=draw(st.sampled_from(S.divisors(batch, 1))),
+                      block_q_major_dkv=q_major_dkv, block_k_major_dkv=k_major_dkv,
+                      block_k_dkv=draw(st.sampled_from(S.divisors(k_major_dkv, NUM_LANES))),
+                      block_q_dkv=draw(st.sampled_from(S.divisors(q_major_dkv, NUM_LANES))),
+                      block_k_major_dq=k_major_dq, block_k_dq=draw(st.sampled_from(S.divisors(k_major_dq, NUM_LANES))),
+                      block_q_dq=draw(st.sampled_from(q_blocks)))
 
 
 @st.composite

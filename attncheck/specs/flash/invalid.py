@@ -3,12 +3,14 @@ names the argument."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from attncheck.compiled import impl_module
 from attncheck.specs.base import InvalidCall
-from attncheck.specs.flash.params import BLOCK_FIELDS
+from attncheck.specs.flash.params import BlockSizes
 
 
 def invalid_flash_calls(impl) -> list[InvalidCall]:
@@ -16,7 +18,8 @@ def invalid_flash_calls(impl) -> list[InvalidCall]:
     f32 = jnp.float32
     b, h, s, d = 1, 1, 256, 128
     q = jnp.zeros((b, h, s, d), f32)
-    defaults = _fields(module.BlockSizes.get_default(b, h, s, s, d))
+    # A dict, as block_sizes_not_BlockSizes passes it where a BlockSizes is wanted.
+    defaults = dataclasses.asdict(BlockSizes.of(module.BlockSizes.get_default(b, h, s, s, d)))
 
     def with_blocks(**changes):
         # Built inside the call: a constructor that validates must raise under pytest.raises.
@@ -75,7 +78,3 @@ def invalid_flash_calls(impl) -> list[InvalidCall]:
         InvalidCall("sm_scale_not_a_number", lambda: impl(q, q, q, causal=False, sm_scale="abc"),
                     (TypeError, ValueError), r"sm_scale"),
     ]
-
-
-def _fields(blocks) -> dict:
-    return {f: getattr(blocks, f) for f in BLOCK_FIELDS}

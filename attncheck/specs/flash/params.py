@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from attncheck import strategies as S
 from attncheck.cases import Params
@@ -34,9 +36,40 @@ BATCH_HEADS = S.Shapes(ci=((1, 1), (2, 1), (1, 2)), nightly=((1, 1), (2, 1), (1,
 NUM_LANES = 128  # kv-side blocks are lane-dimension tiles
 # A query segment id that never occurs in kv: its rows are fully masked.
 ABSENT_SEGMENT = 1000
-BLOCK_FIELDS = ("block_q", "block_k_major", "block_k", "block_b", "block_q_major_dkv",
-                "block_k_major_dkv", "block_k_dkv", "block_q_dkv", "block_k_major_dq",
-                "block_k_dq", "block_q_dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """The kernel's ``BlockSizes``, field for field: the forward's, then the dkv pass's, then
+    the dq pass's tiles."""
+
+    block_q: int
+    block_k_major: int
+    block_k: int
+    block_b: int
+    block_q_major_dkv: int
+    block_k_major_dkv: int
+    block_k_dkv: int
+    block_q_dkv: int
+    block_k_major_dq: int
+    block_k_dq: int
+    block_q_dq: int
+
+    @classmethod
+    def of(cls, blocks: Any) -> BlockSizes:
+        """The sizes an object with these fields holds (an implementation's ``BlockSizes``)."""
+        return cls(**{name: getattr(blocks, name) for name in BLOCK_FIELDS})
+
+    def to_json(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) pairs in field order: the form case ids hash (a JSON list of pairs)."""
+        return tuple((name, getattr(self, name)) for name in BLOCK_FIELDS)
+
+    @classmethod
+    def from_json(cls, pairs: Iterable[Iterable]) -> BlockSizes:
+        return cls(**dict(pairs))
+
+
+BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockSizes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +86,7 @@ class FlashParams(Params):
     segments: str  # "none", "packed", or "absent" (a query segment missing from kv)
     segment_starts: tuple[int, ...]
     values: str  # a VALUE_KINDS distribution
-    blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
+    blocks: BlockSizes  # written to JSON as its (name, value) pairs
     bias_values: str = "normal"  # a BIAS_VALUE_KINDS pattern of the ab entries
     emptied_row: int | None = None  # the query row "neg_inf_row" empties (None for the other kinds)
     segment_dtype: str = "int32"
@@ -63,6 +96,11 @@ class FlashParams(Params):
     def sequence_length(self) -> int:
         return self.kv_len
 
-    @property
-    def block_sizes(self) -> dict[str, int]:
-        return dict(self.blocks)
+    # A case id hashes this JSON: the blocks stay the [name, size] pairs they were first written as.
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "blocks": self.blocks.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FlashParams:
+        params = super().from_json(data)
+        return dataclasses.replace(params, blocks=BlockSizes.from_json(params.blocks))

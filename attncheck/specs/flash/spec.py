@@ -16,7 +16,7 @@ from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, KernelSpec, accepted
 from attncheck.specs.flash.classes import BUG_CLASSES, CONTRACTS, segment_ids
 from attncheck.specs.flash.draws import flash_cases
 from attncheck.specs.flash.invalid import invalid_flash_calls
-from attncheck.specs.flash.params import FAMILY, NEG_INF_KINDS, FlashParams
+from attncheck.specs.flash.params import FAMILY, NEG_INF_KINDS, BlockSizes, FlashParams
 
 
 
@@ -26,9 +26,9 @@ def _long_reduction_example(values: str, kv_len: int, k_major: int) -> Case[Flas
     return Case(FAMILY, FlashParams(
         dtype="bfloat16", batch=1, heads=1, q_len=128, kv_len=kv_len, head_dim=128, causal=False,
         sm_scale=128 ** -0.5, bias=False, segments="none", segment_starts=(), values=values,
-        blocks=(("block_q", 128), ("block_k_major", k_major), ("block_k", 128), ("block_b", 1),
-                ("block_q_major_dkv", 128), ("block_k_major_dkv", k_major), ("block_k_dkv", 128),
-                ("block_q_dkv", 128), ("block_k_major_dq", k_major), ("block_k_dq", 128), ("block_q_dq", 128))), 0)
+        blocks=BlockSizes(block_q=128, block_k_major=k_major, block_k=128, block_b=1, block_q_major_dkv=128,
+                          block_k_major_dkv=k_major, block_k_dkv=128, block_q_dkv=128, block_k_major_dq=k_major,
+                          block_k_dq=128, block_q_dq=128)), 0)
 
 
 class FlashSpec(KernelSpec[FlashParams]):
@@ -45,16 +45,16 @@ class FlashSpec(KernelSpec[FlashParams]):
     explicit_examples = {"causal_nested_every_pass": Case(FAMILY, FlashParams(
         dtype="float32", batch=1, heads=1, q_len=512, kv_len=512, head_dim=64, causal=True, sm_scale=0.125,
         bias=False, segments="none", segment_starts=(), values="normal",
-        blocks=(("block_q", 128), ("block_k_major", 256), ("block_k", 128), ("block_b", 1), ("block_q_major_dkv", 256),
-                ("block_k_major_dkv", 256), ("block_k_dkv", 128), ("block_q_dkv", 128), ("block_k_major_dq", 256),
-                ("block_k_dq", 128), ("block_q_dq", 128))), 0),
+        blocks=BlockSizes(block_q=128, block_k_major=256, block_k=128, block_b=1, block_q_major_dkv=256,
+                          block_k_major_dkv=256, block_k_dkv=128, block_q_dkv=128, block_k_major_dq=256,
+                          block_k_dq=128, block_q_dq=128)), 0),
         # The CI profile draws head dims 64 and 128 only.
         "f32_wide_head_retiled_backward": Case(FAMILY, FlashParams(
             dtype="float32", batch=1, heads=1, q_len=256, kv_len=256, head_dim=256, causal=True, sm_scale=0.0625,
             bias=False, segments="none", segment_starts=(), values="large",
-            blocks=(("block_q", 256), ("block_k_major", 128), ("block_k", 128), ("block_b", 1),
-                    ("block_q_major_dkv", 128), ("block_k_major_dkv", 128), ("block_k_dkv", 128), ("block_q_dkv", 128),
-                    ("block_k_major_dq", 128), ("block_k_dq", 128), ("block_q_dq", 128))), 0),
+            blocks=BlockSizes(block_q=256, block_k_major=128, block_k=128, block_b=1, block_q_major_dkv=128,
+                              block_k_major_dkv=128, block_k_dkv=128, block_q_dkv=128, block_k_major_dq=128,
+                              block_k_dq=128, block_q_dq=128)), 0),
         # Every condition of the class at once is a rare draw (about 1 in 5000). 4096 keys (32 kv
         # blocks): a bfloat16 accumulator's out budget is 2.8-4.3 there against 1.4-2.0 at 2048
         # (5 seeds each; the float32 one 0.07-0.12 at both).
@@ -89,7 +89,7 @@ class FlashSpec(KernelSpec[FlashParams]):
         def forward(q, k, v, ab, q_seg, kv_seg):
             segment_ids = module.SegmentIds(q=q_seg, kv=kv_seg) if q_seg is not None else None
             return impl(q, k, v, ab, segment_ids, causal=p.causal, sm_scale=p.sm_scale,
-                        block_sizes=module.BlockSizes(**p.block_sizes),
+                        block_sizes=module.BlockSizes(**dataclasses.asdict(p.blocks)),
                         **accepted_keywords(impl, vmem_limit_bytes=p.vmem_limit_bytes))
 
         return forward
@@ -137,17 +137,17 @@ class FlashSpec(KernelSpec[FlashParams]):
         # the diagonal at the same positions (query i's last key is i, key j's first query
         # is j): where a causal block skip is off by one, the map breaks there.
         p = case.params
-        b, q_len, kv_len = p.block_sizes, p.q_len, p.kv_len
-        kv_dkv = (every("block_k_major_dkv", b["block_k_major_dkv"], kv_len),
-                  every("block_k_dkv", b["block_k_dkv"], kv_len))
-        rows = {"out": (every("block_q", b["block_q"], q_len),), "dq": (every("block_q_dq", b["block_q_dq"], q_len),),
-                "dk": kv_dkv, "dv": kv_dkv, "dab": (every("block_q_dq", b["block_q_dq"], q_len),)}[direction]
+        b, q_len, kv_len = p.blocks, p.q_len, p.kv_len
+        kv_dkv = (every("block_k_major_dkv", b.block_k_major_dkv, kv_len),
+                  every("block_k_dkv", b.block_k_dkv, kv_len))
+        rows = {"out": (every("block_q", b.block_q, q_len),), "dq": (every("block_q_dq", b.block_q_dq, q_len),),
+                "dk": kv_dkv, "dv": kv_dkv, "dab": (every("block_q_dq", b.block_q_dq, q_len),)}[direction]
         diagonal = {"out": ("block_k_major", q_len), "dq": ("block_k_major_dq", q_len),
                     "dk": ("block_q_major_dkv", kv_len), "dv": ("block_q_major_dkv", kv_len)}
         if p.causal and direction in diagonal:
             name, length = diagonal[direction]
-            rows += (every(f"{name} on the causal diagonal", b[name], length),)
-        cols = ((every("block_k_major_dq", b["block_k_major_dq"], kv_len), every("block_k_dq", b["block_k_dq"], kv_len))
+            rows += (every(f"{name} on the causal diagonal", getattr(b, name), length),)
+        cols = ((every("block_k_major_dq", b.block_k_major_dq, kv_len), every("block_k_dq", b.block_k_dq, kv_len))
                 if direction == "dab" else ())
         return ErrorMapLayout(self.index_names(direction), 2, 3, rows, cols)
 
