@@ -9,7 +9,7 @@ from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 
 # Module path of each built-in family's spec; a module exposes SPEC (or SPECS, a list).
 BUILTIN_SPEC_MODULES = (
-    "attncheck.specs.flash",
+    "attncheck.specs.flash.spec",
     "attncheck.specs.ffn",
     "attncheck.specs.ragged",
     "attncheck.specs.ragged_v3",

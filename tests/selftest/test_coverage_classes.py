@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 
 from attncheck import coverage
-from attncheck.specs import all_specs, flash, ragged
+from attncheck.specs import all_specs, ragged
 from attncheck.specs.dpa.classes import some_row_sees_no_key
 from attncheck.specs.dpa.params import DPAParams
 from attncheck.specs.dpa.spec import SPEC as DPA
+from attncheck.specs.flash import classes as flash_classes
+from attncheck.specs.flash import spec as flash_spec
+from attncheck.specs.flash.params import BLOCK_FIELDS, BlockSizes, FlashParams
 from attncheck.specs.paged.params import SHAPES as PAGED_SHAPES
 from attncheck.specs.paged.spec import SPEC as PAGED
 
@@ -67,37 +70,37 @@ def test_logit_classes_need_a_softmax_over_several_keys(seqs, window, several):
     assert ragged.some_query_sees_several_keys(ragged_case(seqs, window=window)) is several
 
 
-def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks) -> flash.FlashParams:
-    sizes = {name: 1 if name == "block_b" else 128 for name in flash.BLOCK_FIELDS} | blocks
-    return flash.FlashParams(dtype="float32", batch=1, heads=1, q_len=q_len, kv_len=kv_len, head_dim=128,
-                             causal=causal, sm_scale=1.0, bias=True, segments="packed" if segment_starts else "none",
-                             segment_starts=segment_starts, values="normal", blocks=tuple(sizes.items()))
+def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks) -> FlashParams:
+    sizes = {name: 1 if name == "block_b" else 128 for name in BLOCK_FIELDS} | blocks
+    return FlashParams(dtype="float32", batch=1, heads=1, q_len=q_len, kv_len=kv_len, head_dim=128,
+                       causal=causal, sm_scale=1.0, bias=True, segments="packed" if segment_starts else "none",
+                       segment_starts=segment_starts, values="normal", blocks=BlockSizes(**sizes))
 
 
 def test_causal_skips_in_every_pass_needs_a_kv_block_past_the_first_q_tile_in_each():
-    assert flash.causal_skips_in_every_pass(flash_case(128, 256))
-    assert not flash.causal_skips_in_every_pass(flash_case(128, 256, causal=False))
-    assert not flash.causal_skips_in_every_pass(flash_case(128, 128))
+    assert flash_classes.causal_skips_in_every_pass(flash_case(128, 256))
+    assert not flash_classes.causal_skips_in_every_pass(flash_case(128, 256, causal=False))
+    assert not flash_classes.causal_skips_in_every_pass(flash_case(128, 128))
     # The dq pass fetches all of kv at once: nothing to skip there.
-    assert not flash.causal_skips_in_every_pass(flash_case(128, 256, block_k_major_dq=256))
+    assert not flash_classes.causal_skips_in_every_pass(flash_case(128, 256, block_k_major_dq=256))
     # A first q tile of 256 rows sees the last kv block starting at 128.
-    assert not flash.causal_skips_in_every_pass(flash_case(256, 256, block_q_major_dkv=256))
+    assert not flash_classes.causal_skips_in_every_pass(flash_case(256, 256, block_q_major_dkv=256))
 
 
 def test_a_nested_tiling_needs_the_diagonal_past_the_first_minor_block_of_a_later_major_block():
     blocks = {"block_k_major_dq": 256, "block_k_dq": 128}
-    assert "dq_kv" in flash.nested_tilings(flash_case(512, 512, **blocks))
+    assert "dq_kv" in flash_classes.nested_tilings(flash_case(512, 512, **blocks))
     # Rows 0..383 reach no further than the first minor block of the second major block.
-    assert "dq_kv" not in flash.nested_tilings(flash_case(384, 512, **blocks))
-    assert "dq_kv" not in flash.nested_tilings(flash_case(512, 512, block_k_major_dq=512, block_k_dq=128))
-    assert "dq_kv" not in flash.nested_tilings(flash_case(512, 512, block_k_major_dq=256, block_k_dq=256))
-    every_pass = next(c.applies for c in flash.SPEC.bug_classes if c.name == "causal_nested_every_pass")
+    assert "dq_kv" not in flash_classes.nested_tilings(flash_case(384, 512, **blocks))
+    assert "dq_kv" not in flash_classes.nested_tilings(flash_case(512, 512, block_k_major_dq=512, block_k_dq=128))
+    assert "dq_kv" not in flash_classes.nested_tilings(flash_case(512, 512, block_k_major_dq=256, block_k_dq=256))
+    every_pass = next(c.applies for c in flash_spec.SPEC.bug_classes if c.name == "causal_nested_every_pass")
     assert not every_pass(flash_case(512, 512, **blocks))
     assert every_pass(flash_case(512, 512, block_k_major=256, block_q_major_dkv=256, block_k_major_dkv=256, **blocks))
 
 
 def test_a_backward_pass_with_wider_blocks_than_the_forward_needs_causal_over_several_kv_blocks():
-    wider = next(c.applies for c in flash.SPEC.bug_classes if c.name == "causal_bwd_blocks_wider")
+    wider = next(c.applies for c in flash_spec.SPEC.bug_classes if c.name == "causal_bwd_blocks_wider")
     assert wider(flash_case(256, 256, block_q_major_dkv=256))
     assert wider(flash_case(256, 512, block_k_major_dq=256))
     assert not wider(flash_case(256, 256))  # every pass tiles like the forward
@@ -107,12 +110,12 @@ def test_a_backward_pass_with_wider_blocks_than_the_forward_needs_causal_over_se
 
 
 def test_segments_vary_across_tiles_in_every_pass():
-    assert flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1)))
-    assert not flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0,)))
+    assert flash_classes.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1)))
+    assert not flash_classes.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0,)))
     # A boundary on a tile edge: the second tile holds other ids than the first.
-    assert flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 128)))
+    assert flash_classes.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 128)))
     # One kv block in the forward pass: the forward's kv segment map is not tested.
-    assert not flash.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1), block_k_major=256))
+    assert not flash_classes.segments_vary_across_tiles(flash_case(256, 256, segment_starts=(0, 1), block_k_major=256))
 
 
 def test_ring_segment_after_first_key_chunk():

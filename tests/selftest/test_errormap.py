@@ -20,6 +20,7 @@ from attncheck import check, coverage, layouts, numerics, specs
 from attncheck.backends import BACKENDS
 from attncheck.report import errormap as em
 from attncheck.report import plots
+from attncheck.specs.flash.params import BlockSizes
 from tests.selftest import harness, toy_spec
 
 SCHEMA = harness.load_schema()
@@ -261,7 +262,7 @@ def test_flash_maps_draw_each_pass_on_its_own_blocks():
     spec = specs.all_specs()["flash_attention"]
     example = coverage.examples(spec)[0]
     params = dataclasses.replace(example.params, q_len=512, kv_len=1024, causal=True,
-                                 blocks=tuple(FLASH_BLOCKS.items()))
+                                 blocks=BlockSizes(**FLASH_BLOCKS))
     case = dataclasses.replace(example, params=params)
     lengths = {"query": 512, "key": 1024}
     for direction, (row_names, col_names) in FLASH_BOUNDS.items():
