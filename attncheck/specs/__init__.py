@@ -13,7 +13,7 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.ffn",
     "attncheck.specs.ragged",
     "attncheck.specs.ragged_v3",
-    "attncheck.specs.ring",
+    "attncheck.specs.ring.spec",
     "attncheck.specs.splash",
     "attncheck.specs.splash_config",
     "attncheck.specs.paged.spec",
