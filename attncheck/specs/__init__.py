@@ -11,7 +11,7 @@ from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 BUILTIN_SPEC_MODULES = (
     "attncheck.specs.flash",
     "attncheck.specs.ffn",
-    "attncheck.specs.ragged",
+    "attncheck.specs.ragged.spec",
     "attncheck.specs.ragged_v3",
     "attncheck.specs.ring",
     "attncheck.specs.splash",
