@@ -12,7 +12,7 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.flash",
     "attncheck.specs.ffn",
     "attncheck.specs.ragged.spec",
-    "attncheck.specs.ragged_v3",
+    "attncheck.specs.ragged_v3.spec",
     "attncheck.specs.ring",
     "attncheck.specs.splash",
     "attncheck.specs.splash_config",
