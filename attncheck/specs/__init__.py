@@ -11,8 +11,8 @@ from attncheck.specs.base import InvalidCall, KernelSpec, resolve_impl
 BUILTIN_SPEC_MODULES = (
     "attncheck.specs.flash.spec",
     "attncheck.specs.ffn",
-    "attncheck.specs.ragged",
-    "attncheck.specs.ragged_v3",
+    "attncheck.specs.ragged.spec",
+    "attncheck.specs.ragged_v3.spec",
     "attncheck.specs.ring.spec",
     "attncheck.specs.splash",
     "attncheck.specs.splash_config",

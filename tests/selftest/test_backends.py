@@ -29,7 +29,7 @@ def test_default_selects_every_backend_and_unknown_names_are_rejected():
                                              r"with --attncheck-impl ragged_paged_attention_v3="):
         Options(kernels="ragged_paged_attention_v3").validate()
     Options(kernels="ragged_paged_attention_v3",
-            impls=("ragged_paged_attention_v3=attncheck.specs.ragged_v3:invalid_v3_calls",)).validate()
+            impls=("ragged_paged_attention_v3=attncheck.specs.ragged_v3.invalid:invalid_v3_calls",)).validate()
 
 
 def test_tpu_backend_follows_the_devices(monkeypatch):

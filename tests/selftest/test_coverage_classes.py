@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from attncheck import coverage
-from attncheck.specs import all_specs, ragged
+from attncheck.specs import all_specs
 from attncheck.specs.dpa.classes import some_row_sees_no_key
 from attncheck.specs.dpa.params import DPAParams
 from attncheck.specs.dpa.spec import SPEC as DPA
@@ -15,14 +15,16 @@ from attncheck.specs.flash import spec as flash_spec
 from attncheck.specs.flash.params import BLOCK_FIELDS, BlockSizes, FlashParams
 from attncheck.specs.paged.params import SHAPES as PAGED_SHAPES
 from attncheck.specs.paged.spec import SPEC as PAGED
+from attncheck.specs.ragged import classes as ragged_classes
+from attncheck.specs.ragged.params import RaggedParams
 
 
-def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> ragged.RaggedParams:
-    return ragged.RaggedParams(dtype="float32", kv_dtype="float32", page_size=8, num_q_heads=heads, num_kv_heads=1,
-                               seqs=seqs, sliding_window=window, soft_cap=None, k_scale=None, v_scale=None,
-                               sm_scale=1.0, num_kv_pages_per_block=kv_pages_per_block,
-                               num_queries_per_block=queries_per_block,
-                               padding="repeat_last", values="normal")
+def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> RaggedParams:
+    return RaggedParams(dtype="float32", kv_dtype="float32", page_size=8, num_q_heads=heads, num_kv_heads=1,
+                        seqs=seqs, sliding_window=window, soft_cap=None, k_scale=None, v_scale=None,
+                        sm_scale=1.0, num_kv_pages_per_block=kv_pages_per_block,
+                        num_queries_per_block=queries_per_block,
+                        padding="repeat_last", values="normal")
 
 
 @pytest.mark.parametrize("seqs, window, heads, rises", [
@@ -33,7 +35,7 @@ def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_
     (((1, 12),), 8, 1, 4 / 8),  # window keys 4..11: 4 in the first block, 4 more in the second
 ])
 def test_expected_max_rises_counts_the_blocks_after_the_first_a_row_sees(seqs, window, heads, rises):
-    assert ragged.expected_max_rises(ragged_case(seqs, window=window, heads=heads), 8) == pytest.approx(rises)
+    assert ragged_classes.expected_max_rises(ragged_case(seqs, window=window, heads=heads), 8) == pytest.approx(rises)
 
 
 @pytest.mark.parametrize("seqs, block, shared", [
@@ -44,7 +46,7 @@ def test_expected_max_rises_counts_the_blocks_after_the_first_a_row_sees(seqs, w
     (((3, 3),), 8, False),
 ])
 def test_seqs_share_a_q_block(seqs, block, shared):
-    assert ragged.seqs_share_a_q_block(ragged_case(seqs, queries_per_block=block)) is shared
+    assert ragged_classes.seqs_share_a_q_block(ragged_case(seqs, queries_per_block=block)) is shared
 
 
 @pytest.mark.parametrize("seqs, queries_per_block, different", [
@@ -57,7 +59,7 @@ def test_seqs_share_a_q_block(seqs, block, shared):
 ])
 def test_rows_end_in_different_kv_blocks_within_one_grid_step(seqs, queries_per_block, different):
     case = ragged_case(seqs, queries_per_block=queries_per_block, kv_pages_per_block=1)  # 8-token kv blocks
-    assert ragged.rows_end_in_different_kv_blocks(case) is different
+    assert ragged_classes.rows_end_in_different_kv_blocks(case) is different
 
 
 @pytest.mark.parametrize("seqs, window, several", [
@@ -67,7 +69,7 @@ def test_rows_end_in_different_kv_blocks_within_one_grid_step(seqs, queries_per_
     (((0, 5), (1, 1)), None, False),  # the long sequence has no query
 ])
 def test_logit_classes_need_a_softmax_over_several_keys(seqs, window, several):
-    assert ragged.some_query_sees_several_keys(ragged_case(seqs, window=window)) is several
+    assert ragged_classes.some_query_sees_several_keys(ragged_case(seqs, window=window)) is several
 
 
 def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks) -> FlashParams:

@@ -509,13 +509,13 @@ RAGGED_CASE = dict(dtype="float32", kv_dtype="float32", page_size=16, num_q_head
 
 def check_raising(exc: BaseException, backend: str) -> check.Outcome:
     """The check of a ragged case whose implementation raises ``exc`` on ``backend``."""
-    from attncheck.specs import ragged
+    from attncheck.specs.ragged.spec import SPEC
 
     def raising(*args, **kwargs):
         raise exc
 
-    target = check.Target(ragged.SPEC, "user", raising, backends.BACKENDS[backend])
-    outcome = check.check_case(target, ragged.SPEC.case(1, **RAGGED_CASE))
+    target = check.Target(SPEC, "user", raising, backends.BACKENDS[backend])
+    outcome = check.check_case(target, SPEC.case(1, **RAGGED_CASE))
     assert [(r.outcome, r.direction) for r in outcome.records] == [("error", "all")]
     return outcome
 

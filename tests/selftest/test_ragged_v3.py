@@ -18,7 +18,8 @@ import zipfile
 import pytest
 
 from attncheck import backends, check, third_party
-from attncheck.specs import ragged_v3
+from attncheck.specs.ragged_v3.params import FAMILY
+from attncheck.specs.ragged_v3.spec import SPEC
 from attncheck.third_party import tpu_inference
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -60,8 +61,8 @@ def _kernel_with(wheel, planted: str | None):
 
 
 def _records(impl, backend: str):
-    case = ragged_v3.SPEC.explicit_examples["window_starts_past_first_kv_block"]
-    target = check.Target(ragged_v3.SPEC, "user", impl, backends.BACKENDS[backend])
+    case = SPEC.explicit_examples["window_starts_past_first_kv_block"]
+    target = check.Target(SPEC, "user", impl, backends.BACKENDS[backend])
     return {r.direction: r for r in check.check_case(target, case).records}
 
 
@@ -89,8 +90,8 @@ def test_the_gate_on_the_shipped_kernel_passes_with_its_deviations_declared_and_
     env["PYTHONPATH"] = str(ROOT)
 
     def gate(report, *args):
-        proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", ragged_v3.FAMILY,
-                               "--attncheck-impl", f"{ragged_v3.FAMILY}={IMPL}", "--attncheck-report", str(report),
+        proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", FAMILY,
+                               "--attncheck-impl", f"{FAMILY}={IMPL}", "--attncheck-report", str(report),
                                "--attncheck-require-coverage", *args], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=1200)
         return proc, json.loads((report / "report.json").read_text())
@@ -111,8 +112,8 @@ def test_the_hd64_kernel_is_verified_on_its_head_dim_with_its_deviations_declare
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_STEP_SUMMARY"))}
     env["PYTHONPATH"] = str(ROOT)
     report_dir = tmp_path / "hd64"
-    proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", ragged_v3.FAMILY,
-                           "--attncheck-impl", f"{ragged_v3.FAMILY}={IMPL}_hd64", "--attncheck-backend", "interpret",
+    proc = subprocess.run([sys.executable, "-m", "attncheck", "gate", "--attncheck-kernel", FAMILY,
+                           "--attncheck-impl", f"{FAMILY}={IMPL}_hd64", "--attncheck-backend", "interpret",
                            "--attncheck-expectations", str(EXPECTATIONS), "--attncheck-report", str(report_dir),
                            "-k", "coverage or invalid and not distribution_decreasing"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
