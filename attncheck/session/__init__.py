@@ -74,7 +74,8 @@ class GateSession:
         self.lock = None
         finish = None
         parts = [Parametrization(self.options, self.expectations),
-                 Ordering(config, self.options, self.shard, self.report_dir, self.run_id, self._warn)]
+                 Ordering(config, self.options, self.shard, self.report_dir, self.run_id, self._warn,
+                          is_worker=self.is_worker)]
         if not self.is_worker:
             self.lock = directory.take(config, self.report_dir, rec.RunInfo(
                 self.run_id, self.started, tuple(config.invocation_params.args),
@@ -84,7 +85,8 @@ class GateSession:
             finish = Finish(config, self.options, self.shard, self.policy, self.accepted_path, self.report_dir,
                             self.run_id, self.started, self.stop_file, outcomes)
             parts += [outcomes, finish]
-        self.guards = ProcessGuards(config, self.writer, on_hang=None if finish is None else finish.after_hang)
+        self.guards = ProcessGuards(config, self.writer, on_hang=None if finish is None else finish.after_hang,
+                                    is_worker=self.is_worker)
         self._finish = finish
         for part in [*parts, self.guards]:
             config.pluginmanager.register(part, f"attncheck-{type(part).__name__.lower()}")

@@ -31,10 +31,11 @@ class ProcessGuards:
     (on the watchdog's thread) before the process of a hung test ends: the controller
     writes its verdict there, a worker passes None."""
 
-    def __init__(self, config, writer: rec.RecordWriter, on_hang: Callable[[str, float, str], None] | None):
+    def __init__(self, config, writer: rec.RecordWriter, on_hang: Callable[[str, float, str], None] | None, *,
+                 is_worker: bool):
         self.config = config
         self.writer = writer
-        self.is_worker = hasattr(config, "workerinput")
+        self.is_worker = is_worker
         self._on_hang = on_hang
         self._timed = None  # (item, settings) of the test pytest-timeout's timer runs for
         self.watchdog = watchdog.Watchdog(self._end_hung_test)

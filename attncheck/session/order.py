@@ -17,14 +17,14 @@ from attncheck.report import records as rec
 
 class Ordering:
     def __init__(self, config, options: selection.Options, shard: scheduling.Shard | None,
-                 report_dir: pathlib.Path, run_id: str, warn: Callable[[str], None]):
+                 report_dir: pathlib.Path, run_id: str, warn: Callable[[str], None], *, is_worker: bool):
         self.config = config
         self.options = options
         self.shard = shard
         self.report_dir = report_dir
         self.run_id = run_id
         self._warn = warn
-        self.is_worker = hasattr(config, "workerinput")
+        self.is_worker = is_worker
         self.durations = self._load_durations()
         self.seconds: collections.Counter = collections.Counter()  # test key -> seconds (controller)
 
