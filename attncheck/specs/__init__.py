@@ -14,7 +14,7 @@ BUILTIN_SPEC_MODULES = (
     "attncheck.specs.ragged.spec",
     "attncheck.specs.ragged_v3.spec",
     "attncheck.specs.ring.spec",
-    "attncheck.specs.splash",
+    "attncheck.specs.splash.spec",
     "attncheck.specs.splash_config",
     "attncheck.specs.paged.spec",
     "attncheck.specs.dpa.spec",

@@ -30,11 +30,13 @@ from attncheck import bugclasses, parameters
 from attncheck import strategies as S
 from attncheck.cases import Case
 from attncheck.compiled import impl_module
-from attncheck.specs import splash
-from attncheck.specs import splash_blocks as blocks
 from attncheck.specs.base import SOFT_CAP_IS_POSITIVE, InvalidCall, values_by_dtype
-from attncheck.specs.splash_cases import NUM_LANES, SplashParams, splash_cases
-from attncheck.specs.splash_masks import build
+from attncheck.specs.splash import classes
+from attncheck.specs.splash.draws import splash_cases
+from attncheck.specs.splash.invalid import FULL_BLOCKS, INVALID_DIM, INVALID_HEADS, INVALID_LEN, invalid_calls_through
+from attncheck.specs.splash.masks import build
+from attncheck.specs.splash.params import NUM_LANES, SplashParams
+from attncheck.specs.splash.spec import SplashSpec, mask_value_of
 
 FAMILY = "splash_attention_config"
 DIAG_SKIPS = (("qk",), ("sv",), ("qk", "sv"))
@@ -92,11 +94,11 @@ def _skip_drops_visible_keys(p: SplashConfigParams, block: int) -> bool:
     off the diagonal (an offset that is not a whole number of blocks puts one below it) has
     visible keys in those sub-tiles.
     """
-    mask, seen = blocks.head_masks(p)[0], blocks.visible(p)[0]
+    mask, seen = classes.head_masks(p)[0], classes.visible(p)[0]
     band = np.arange(block) // (block // p.qk_diag_grid)
     left_out = band[None, :] > band[:, None]  # [q, kv] within a block
     tiles = seen.reshape(p.q_len // block, block, p.kv_len // block, block).swapaxes(1, 2)
-    return bool((tiles[blocks.occupancy(mask, block, block) == 1] & left_out).any())
+    return bool((tiles[classes.occupancy(mask, block, block) == 1] & left_out).any())
 
 
 def _diag_skip_drops_visible_keys(p: SplashConfigParams) -> bool:
@@ -111,18 +113,18 @@ def _diag_skip_drops_visible_keys(p: SplashConfigParams) -> bool:
 # jax's splash classes a 2-D mask and the fused backward cannot reach.
 UNREACHABLE = ("per_head_masks_within_kv_group", "dq_kernel_over_kv_blocks")
 PAIRS = bugclasses.pairwise(
-    splash.KV_BLOCKS, splash.HEADS, splash.SHARDS,
+    classes.KV_BLOCKS, classes.HEADS, classes.SHARDS,
     bugclasses.partition("exp", base2=lambda p: p.use_base2_exp, natural=lambda p: not p.use_base2_exp),
     bugclasses.partition("dq_reduction", every_kv_step=lambda p: p.dq_reduction_steps is None,
                          three_steps=lambda p: p.dq_reduction_steps == 3))
 
 
-class SplashConfigSpec(splash.SplashSpec):
+class SplashConfigSpec(SplashSpec):
     name = FAMILY
     params_type = SplashConfigParams
     default_impls = {}
     bug_classes = (bugclasses.bug_classes(
-        **{name: applies for name, applies in splash.CLASSES.items() if name not in UNREACHABLE},
+        **{name: applies for name, applies in classes.CLASSES.items() if name not in UNREACHABLE},
         reciprocal_outside_kernel=lambda p: not p.fuse_reciprocal,
         stacked_q_heads=lambda p: p.num_stacked_q_heads > 1,
         experimental_scheduler=lambda p: p.use_experimental_scheduler,
@@ -136,12 +138,12 @@ class SplashConfigSpec(splash.SplashSpec):
         diag_skip_over_visible_keys=_diag_skip_drops_visible_keys,
         diag_skip_kv_blocks_several=lambda p: bool(p.diag_skip) and p.block_sizes["block_kv"] < p.kv_len,
         dkv_reuse_scaled_q=lambda p: p.dkv_reuse_scaled_q,
-        every_key_hidden=lambda p: not blocks.head_masks(p).any(),
+        every_key_hidden=lambda p: not classes.head_masks(p).any(),
     ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
         + values_by_dtype() + bugclasses.presences(segment_ids=lambda p: p.segments != "none",
                                                    attn_logits_soft_cap=lambda p: p.soft_cap is not None))
     fixed_parameters = {
-        **splash.SplashSpec.fixed_parameters,
+        **SplashSpec.fixed_parameters,
         "config.use_fused_bwd_kernel": "SplashConfig refuses the unfused backward (its invalid call)",
         "config.block_q_dq": "kept by SplashConfig for compatibility: the fused backward has no dq blocks",
         "config.block_kv_dq": "kept by SplashConfig for compatibility: the fused backward has no dq blocks",
@@ -155,7 +157,7 @@ class SplashConfigSpec(splash.SplashSpec):
         "config.fwd_cost_estimate": "a scheduling hint for XLA: changes no value",
         "config.bwd_cost_estimate": "a scheduling hint for XLA: changes no value",
         "config.residual_checkpoint_name": "a name for jax.checkpoint policies: changes no value",
-        "config.interpret": splash.SplashSpec.fixed_parameters["interpret"],
+        "config.interpret": SplashSpec.fixed_parameters["interpret"],
         "partial_mask_blocks_dtype": "the storage of the mask's partial blocks (int8 holds a bool exactly)",
         **parameters.outside_convention("config.attn_logits_soft_cap", ("negative", "zero"),
                                         SOFT_CAP_IS_POSITIVE),
@@ -177,7 +179,7 @@ class SplashConfigSpec(splash.SplashSpec):
             dkv_reuse_scaled_q=p.dkv_reuse_scaled_q)
         mask = build(module.mask_lib, p.masks[0], (p.q_len, p.kv_len))
         return factory(mask, config=config, q_seq_shards=p.q_seq_shards, downcast_smem_data=p.downcast_smem_data,
-                       **splash.mask_value_of(p))
+                       **mask_value_of(p))
 
     @staticmethod
     def _mask_info_spec(p):
@@ -193,9 +195,9 @@ def invalid_splash_config_calls(impl) -> list[InvalidCall]:
     SplashConfig's own."""
     module = impl_module(impl)
     mask_lib = module.mask_lib
-    h, s = splash.INVALID_HEADS, splash.INVALID_LEN
+    h, s = INVALID_HEADS, INVALID_LEN
     causal = mask_lib.CausalMask((s, s))
-    fused = {name: size for name, size in splash.FULL_BLOCKS.items() if name not in ("block_q_dq", "block_kv_dq")}
+    fused = {name: size for name, size in FULL_BLOCKS.items() if name not in ("block_q_dq", "block_kv_dq")}
 
     def config(**changes):
         return module.SplashConfig(**{**fused, **changes})
@@ -203,8 +205,8 @@ def invalid_splash_config_calls(impl) -> list[InvalidCall]:
     def make(mask=causal, *, q_seq_shards=1, **changes):
         return impl(mask, config=config(**changes), q_seq_shards=q_seq_shards)
 
-    x = jnp.zeros((h, s, splash.INVALID_DIM), jnp.float32)
-    return splash.invalid_calls_through(make, module, mask_shape=(s, s)) + [
+    x = jnp.zeros((h, s, INVALID_DIM), jnp.float32)
+    return invalid_calls_through(make, module, mask_shape=(s, s)) + [
         InvalidCall("mask_3d", lambda: make(np.ones((h, s, s), bool)), ValueError,
                     r"mask shape"),
         InvalidCall("unfused_backward", lambda: config(use_fused_bwd_kernel=False), ValueError, r"fused"),

@@ -19,9 +19,12 @@ from attncheck import check, oracle, yardstick
 from attncheck.backends import BACKENDS
 from attncheck.cases import Case
 from attncheck.compiled import impl_module, impl_origin
-from attncheck.specs import all_specs, resolve_impl, splash_blocks, splash_cases, splash_config, splash_masks
+from attncheck.specs import all_specs, resolve_impl, splash_config
+from attncheck.specs.splash import classes as splash_classes
+from attncheck.specs.splash import masks as splash_masks
+from attncheck.specs.splash import params as splash_params
 
-SHAPES = sorted({(s[3], s[4]) for s in splash_cases.SHAPES})  # (q_len, kv_len)
+SHAPES = sorted({(s[3], s[4]) for s in splash_params.SHAPES})  # (q_len, kv_len)
 
 
 @settings(max_examples=60, deadline=None)
@@ -38,18 +41,18 @@ def test_the_oracle_side_meaning_of_every_mask_is_the_mask_librarys(data, shape)
 def test_numpy_layout_0_on_three_kv_tiles_has_every_block_condition():
     p = params(api="mqa", heads=2, kv_heads=1, q_len=256, kv_len=384, head_dim=128, v_head_dim=64,
                masks=(("numpy", 0),) * 2)
-    occupancy = splash_blocks.occupancy(splash_blocks.head_masks(p)[0], 128, 128)
+    occupancy = splash_classes.occupancy(splash_classes.head_masks(p)[0], 128, 128)
     np.testing.assert_array_equal(occupancy, [[1, 0, 1], [0, 2, 1]])
-    assert splash_blocks.skipped_block_between_visited(p) and splash_blocks.shrunk_grid(p)
-    assert splash_blocks.partial_blocks_loaded(p, with_full=True)
+    assert splash_classes.skipped_block_between_visited(p) and splash_classes.shrunk_grid(p)
+    assert splash_classes.partial_blocks_loaded(p, with_full=True)
 
 
-def params(**changes) -> splash_cases.SplashParams:
+def params(**changes) -> splash_params.SplashParams:
     base = dict(dtype="float32", api="mha", heads=2, kv_heads=1, q_len=128, kv_len=256, head_dim=64, v_head_dim=64,
                 masks=(("causal", 128),) * 2, segments="none", segment_starts=(), soft_cap=None,
-                blocks=tuple((name, 128) for name in splash_cases.BLOCK_FIELDS), fused_bwd=False, head_shards=1,
+                blocks=tuple((name, 128) for name in splash_params.BLOCK_FIELDS), fused_bwd=False, head_shards=1,
                 q_seq_shards=1, values="normal")
-    return splash_cases.SplashParams(**(base | changes))
+    return splash_params.SplashParams(**(base | changes))
 
 
 @pytest.mark.parametrize("masks, q_len, kv_len, shrunk", [
@@ -60,39 +63,39 @@ def params(**changes) -> splash_cases.SplashParams:
     ((("full",), ("causal", 128)), 128, 256, False),  # a mask per head is never shrunk
 ])
 def test_shrunk_grid_needs_a_visited_kv_block_off_its_grid_position(masks, q_len, kv_len, shrunk):
-    assert splash_blocks.shrunk_grid(params(masks=masks, q_len=q_len, kv_len=kv_len)) is shrunk
+    assert splash_classes.shrunk_grid(params(masks=masks, q_len=q_len, kv_len=kv_len)) is shrunk
 
 
 def test_fully_masked_rows_in_visited_q_blocks_or_in_q_blocks_without_keys():
     # Bottom-right causal with q longer than kv: the first 128 queries see nothing, a whole block.
     empty_block = params(heads=4, kv_heads=2, q_len=256, kv_len=128, masks=(("causal", -128),) * 4)
-    assert splash_blocks.q_block_without_keys(empty_block)
-    assert not splash_blocks.fully_masked_row_in_visited_block(empty_block)
-    rows = splash_blocks.fully_masked_rows(empty_block)
+    assert splash_classes.q_block_without_keys(empty_block)
+    assert not splash_classes.fully_masked_row_in_visited_block(empty_block)
+    rows = splash_classes.fully_masked_rows(empty_block)
     assert rows[:, :128].all() and not rows[:, 128:].any()
     # A negative offset empties the first 16 rows of a q block that sees keys further down.
     some_rows = params(masks=(("causal", -16),) * 2)
-    assert splash_blocks.fully_masked_row_in_visited_block(some_rows)
-    assert not splash_blocks.q_block_without_keys(some_rows)
+    assert splash_classes.fully_masked_row_in_visited_block(some_rows)
+    assert not splash_classes.q_block_without_keys(some_rows)
     # The same empty rows inside a q block of 256 rows, half of which see keys.
     wide_q_block = dataclasses.replace(empty_block, blocks=(("block_q", 256),) + empty_block.blocks[1:])
-    assert splash_blocks.fully_masked_row_in_visited_block(wide_q_block)
+    assert splash_classes.fully_masked_row_in_visited_block(wide_q_block)
 
 
 def test_per_head_masks_within_a_kv_group_and_grouped_kv_heads():
-    assert splash_blocks.per_head_masks_within_kv_group(params(masks=(("full",), ("causal", 128))))
-    assert not splash_blocks.per_head_masks_within_kv_group(params())
+    assert splash_classes.per_head_masks_within_kv_group(params(masks=(("full",), ("causal", 128))))
+    assert not splash_classes.per_head_masks_within_kv_group(params())
     # MHA: no two query heads share a kv head, whatever their masks.
-    assert not splash_blocks.per_head_masks_within_kv_group(params(kv_heads=2, masks=(("full",), ("causal", 128))))
+    assert not splash_classes.per_head_masks_within_kv_group(params(kv_heads=2, masks=(("full",), ("causal", 128))))
 
 
 def test_segments_vary_across_tiles_in_every_pass():
     square = dict(q_len=256, kv_len=256, masks=(("causal", 0),) * 2, segments="packed")
-    assert splash_blocks.segments_vary_across_tiles(params(**square, segment_starts=(0, 1)))
-    assert not splash_blocks.segments_vary_across_tiles(params(**square, segment_starts=(0,)))
+    assert splash_classes.segments_vary_across_tiles(params(**square, segment_starts=(0, 1)))
+    assert not splash_classes.segments_vary_across_tiles(params(**square, segment_starts=(0,)))
     # One q block in the forward pass: its q segment map is not tested.
     blocks = dict(params().blocks) | {"block_q": 256}
-    assert not splash_blocks.segments_vary_across_tiles(params(**square, segment_starts=(0, 1),
+    assert not splash_classes.segments_vary_across_tiles(params(**square, segment_starts=(0, 1),
                                                                blocks=tuple(blocks.items())))
 
 
@@ -142,7 +145,7 @@ def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_b
     if fused:
         sizes = {name: size for name, size in sizes.items() if name not in ("block_q_dq", "block_kv_dq")}
     p = params(q_len=256, kv_len=128, masks=(("causal", -128),) * 2, blocks=tuple(sizes.items()), fused_bwd=fused)
-    assert splash_blocks.forward_nan_rows_reach_backward(p) is leaks
+    assert splash_classes.forward_nan_rows_reach_backward(p) is leaks
 
 
 @pytest.mark.parametrize("masks, q_seq_shards, fused, crashes", [
@@ -153,7 +156,7 @@ def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_b
 ])
 def test_the_declared_crash_is_one_mask_without_partial_blocks_over_q_shards(masks, q_seq_shards, fused, crashes):
     p = params(q_len=256, kv_len=256, masks=masks, q_seq_shards=q_seq_shards, fused_bwd=fused)
-    assert splash_blocks.q_seq_shards_without_partial_blocks(p) is crashes
+    assert splash_classes.q_seq_shards_without_partial_blocks(p) is crashes
 
 
 @pytest.mark.parametrize("q_len, offset, skip, stacked, drops", [
@@ -190,7 +193,7 @@ def test_the_declared_keyless_shard_crash_is_make_splash_mhas(masks, q_seq_shard
     """The class predicts exactly when jax's mask processing stops at its bare assertion
     (the kernel is built only: make_splash_mha's host code, no run)."""
     p = params(q_len=256, kv_len=128, masks=masks, q_seq_shards=q_seq_shards)
-    assert splash_blocks.q_seq_shard_without_keys(p) is crashes
+    assert splash_classes.q_seq_shard_without_keys(p) is crashes
     library = kernel_module.mask_lib
     mask = library.MultiHeadMask([splash_masks.build(library, d, (256, 128)) for d in masks])
     build = functools.partial(kernel_module.make_splash_mha, mask, head_shards=1, q_seq_shards=q_seq_shards,
@@ -206,7 +209,7 @@ def test_a_sharded_kernel_lowers_for_tpu():
     """The shard_map of a sharded case runs over an abstract mesh of emulated TPUs for
     tpu-lower: over the CPU devices, Mosaic's lowering asked their kind and failed
     ("Unsupported TPU device kind: cpu"; the case the nightly's random draws found)."""
-    spec = all_specs()[splash_cases.FAMILY]
+    spec = all_specs()[splash_params.FAMILY]
     blocks = (("block_q", 128), ("block_kv", 384), ("block_kv_compute", 128), ("block_q_dkv", 128),
               ("block_kv_dkv", 384), ("block_kv_dkv_compute", 384))
     case = spec.case(10933, **dataclasses.asdict(params(

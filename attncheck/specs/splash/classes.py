@@ -1,6 +1,7 @@
-"""Where a splash case's masks fall on the kernel's blocks: each pass's block occupancy
-(empty, partial, full), the rows that see no key, and the bug classes read from them.
-Like jax's splash_attention_mask_info, from the NumPy meaning of the masks."""
+"""Splash's bug classes: where a case's masks fall on the kernel's blocks (each pass's block
+occupancy: empty, partial, full), the rows that see no key, and the classes read from them
+(like jax's splash_attention_mask_info, from the NumPy meaning of the masks); the pairs
+crossed, the contracts and the shipped expectations."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import functools
 
 import numpy as np
 
+from attncheck import bugclasses
 from attncheck import strategies as S
-from attncheck.specs.splash_cases import SplashParams
-from attncheck.specs.splash_masks import COMPUTABLE, evaluate, leaves, read_only
+from attncheck.expectations import BUG_CLASS, INVALID_CALL, Contract, Shipped
+from attncheck.specs.base import FLOAT32_ACCUMULATION, values_by_dtype
+from attncheck.specs.splash.masks import COMPUTABLE, evaluate, leaves, read_only
+from attncheck.specs.splash.params import NUM_LANES, SplashParams
 
 
-# Cached: every bug class of the coverage search asks for them, thousands of times.
+# Cached: every bug class of the coverage search asks for them, over and over.
 @functools.lru_cache(maxsize=64)
 def head_masks(p: SplashParams) -> np.ndarray:
     """[H, Q, K] bool: each query head's mask (segments not included)."""
@@ -232,3 +236,93 @@ def bwd_blocks_differ(p: SplashParams) -> bool:
     """Backward tiles other than the forward's: the backward mask infos are their own."""
     blocks = pass_blocks(p)
     return any(b != blocks["fwd"] for name, b in blocks.items() if name != "fwd")
+
+
+# The partitions crossed pairwise: the forward's kv blocks, the backward's kernels, the
+# heads against the kv heads, and how the call is sharded: a head or q-sequence shard's
+# offsets meet each.
+KV_BLOCKS = bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_kv"] >= p.kv_len,
+                                 several=lambda p: p.block_sizes["block_kv"] < p.kv_len)
+HEADS = bugclasses.partition("heads", mha=lambda p: p.api == "mha" and p.kv_heads == p.heads,
+                             gqa=lambda p: p.api == "mha" and p.kv_heads < p.heads, mqa=lambda p: p.api == "mqa")
+SHARDS = bugclasses.partition("shards", none=lambda p: p.device_count == 1, heads=lambda p: p.head_shards > 1,
+                              q_seq=lambda p: p.q_seq_shards > 1)
+PAIRS = bugclasses.pairwise(
+    KV_BLOCKS,
+    bugclasses.partition("backward", fused=lambda p: p.fused_bwd, dq_kernel=lambda p: not p.fused_bwd),
+    HEADS, SHARDS)
+
+# Searched in this order, each class only if no earlier example exercises it: classes whose
+# examples carry many conditions at once come first (fewer, richer examples).
+CLASSES = dict(
+    gqa=lambda p: p.api == "mha" and p.heads > p.kv_heads,
+    q_len_ne_kv_len=lambda p: p.q_len != p.kv_len,
+    offset_inside_kv=offset_inside_kv,
+    running_max_across_kv_blocks=lambda p: keys_in_several_blocks(p, pass_blocks(p)["fwd"]),
+    computed_mask_past_first_kv_block=computed_mask_past_first_kv_block,
+    # k_offset must come from data_next, not from the grid index.
+    computed_mask_on_shrunk_grid=lambda p: mask_is_computed(p) and shrunk_grid(p),
+    skipped_block_between_visited=skipped_block_between_visited,
+    full_and_partial_blocks_loaded=functools.partial(partial_blocks_loaded, with_full=True),
+    partial_blocks_loaded=partial_blocks_loaded,
+    shrunk_grid=shrunk_grid,
+    mqa=lambda p: p.api == "mqa",
+    v_head_dim_ne_head_dim=lambda p: p.v_head_dim != p.head_dim,
+    # Grouped (h // group), not interleaved (h % kv_heads), query heads per kv head:
+    # the two agree while there is one kv head.
+    gqa_several_kv_heads=lambda p: p.api == "mha" and 1 < p.kv_heads < p.heads,
+    q_block_without_keys=q_block_without_keys,
+    combined_masks=combined_masks,
+    window_right_side_cuts=window_right_side_cuts,
+    per_head_masks_within_kv_group=per_head_masks_within_kv_group,
+    chunk_boundary_inside_kv_block=chunk_boundary_inside,
+    fully_masked_row_in_visited_block=fully_masked_row_in_visited_block,
+    segments_vary_across_tiles=segments_vary_across_tiles,
+    q_seq_shards=lambda p: p.q_seq_shards > 1,
+    head_shards=lambda p: p.head_shards > 1,
+    kv_compute_inner_loops=lambda p: (p.block_sizes["block_kv_compute"] < p.block_sizes["block_kv"]
+                                      and p.block_sizes["block_kv_dkv_compute"] < p.block_sizes["block_kv_dkv"]),
+    bwd_blocks_differ=bwd_blocks_differ,
+    fused_dq_over_kv_blocks=lambda p: p.fused_bwd and keys_in_several_blocks(p, pass_blocks(p)["dkv"]),
+    dq_kernel_over_kv_blocks=lambda p: not p.fused_bwd and keys_in_several_blocks(p, pass_blocks(p)["dq"]),
+    soft_cap=lambda p: p.soft_cap is not None,
+    # Blocks of several lane tiles in every pass, and q, k, v read transposed.
+    wide_blocks=lambda p: all(p.block_sizes[f] > NUM_LANES for f in (
+        "block_q", "block_kv_compute", "block_q_dkv", "block_kv_dkv_compute")),
+    seq_minor_layouts=lambda p: set(p.layouts) == {"SEQ_MINOR"},
+    # q and kv segment ids of different lengths, either way round, and narrow ones; on
+    # one device, where the probe sees the kernel's call (a sharded one is handed to
+    # shard_map), so that their parameters vary in the report too.
+    segments_q_longer=lambda p: p.segments != "none" and p.q_len > p.kv_len and p.device_count == 1,
+    segments_kv_longer=lambda p: p.segments != "none" and p.kv_len > p.q_len and p.device_count == 1,
+    int16_segment_ids=lambda p: p.segment_dtype == "int16" and p.device_count == 1,
+    bf16=lambda p: p.dtype == "bfloat16",
+    large_logits=lambda p: p.values == "large",
+    exact_ties=lambda p: p.values == "ties",
+    # bfloat16 over many keys of v far from 0: the P @ V accumulation's precision shows.
+    bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.kv_len >= 256 and p.values == "offset",
+    # jax's kernel's findings (declared below): their cases run like any other.
+    forward_nan_rows_reach_backward=bugclasses.Touching(forward_nan_rows_reach_backward, nan_backward),
+    q_seq_shards_without_partial_blocks=q_seq_shards_without_partial_blocks,
+    q_seq_shard_without_keys=q_seq_shard_without_keys,
+)
+BUG_CLASSES = (bugclasses.bug_classes(**CLASSES) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, (
+    "in (0, 1)", "one", "above 1")).classes + PAIRS + values_by_dtype() + bugclasses.presences(
+    segment_ids=lambda p: p.segments != "none", attn_logits_soft_cap=lambda p: p.soft_cap is not None))
+CONTRACTS = (FLOAT32_ACCUMULATION,
+             Contract("unseeing_rows_undefined", "a query that sees no key is undefined (the mean of v over the "
+                      "kv blocks its q block visits, or NaN): its output is don't-care, its cotangent zero, and "
+                      "nothing may leak into other rows"),)
+EXPECTATIONS = (
+    Shipped("builtin", BUG_CLASS, "forward_nan_rows_reach_backward", "a forward q block that visits no kv block "
+            "outputs NaN; a larger backward q block holding those rows makes their dq and the dk, dv of every key "
+            "it visits NaN (attncheck finding splash_backward_block_nan)"),
+    Shipped("builtin", BUG_CLASS, "q_seq_shards_without_partial_blocks", "one mask for every head with no "
+            "partial block and q_seq_shards > 1: make_splash_mha fails in its mask processing (\"need at least "
+            "one array to concatenate\"; attncheck finding splash_q_seq_shards_full_mask)"),
+    Shipped("builtin", BUG_CLASS, "q_seq_shard_without_keys", "one mask for every head and a q shard that "
+            "sees no key (q_seq_shards > 1, or a mask hiding every key): make_splash_mha stops at a bare "
+            "assertion in its mask processing (attncheck finding splash_q_seq_shard_without_keys)"),
+    Shipped("builtin", INVALID_CALL, "kv_longer_than_mask", "a kernel built for a [H, 256, 256] mask, called with "
+            "kv_len 512, returns attention over the first 256 keys (no error, on TPU or in interpret mode; "
+            "attncheck finding splash_kv_longer_than_mask)"))

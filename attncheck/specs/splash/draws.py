@@ -1,77 +1,14 @@
-"""A splash case: its parameters, its static shape buckets and block sizes, and the
-strategy that draws it."""
+"""The strategies that draw a splash case: its block sizes, and the case."""
 
 from __future__ import annotations
-
-import dataclasses
 
 from hypothesis import strategies as st
 
 from attncheck import strategies as S
-from attncheck.cases import Case, Params
-from attncheck.specs.splash_masks import mask_descriptions
-
-FAMILY = "splash_attention"
-NUM_LANES = 128  # every block size here is a multiple of it (backward q blocks must be, to lower)
-# Static shape buckets (api, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim): every case
-# of a bucket with the same mask and blocks reuses one compiled kernel. The first is the
-# cheapest and the richest (GQA, q shorter than kv: offsets matter, two kv blocks): the
-# coverage search shrinks toward it. Square; three kv blocks (a skipped block between
-# visited ones); q longer than kv (bottom-right causal empties whole q blocks) with GQA over
-# two kv heads (grouped, not interleaved, query heads per kv head).
-SHAPES = (
-    ("mha", 2, 1, 128, 256, 64, 64),
-    ("mha", 2, 2, 256, 256, 128, 128),
-    ("mqa", 2, 1, 256, 384, 128, 64),
-    ("mha", 4, 2, 256, 128, 64, 64),
-)
-# A soft cap the logits (q pre-scaled by 1/sqrt(D): standard deviation 1, or 16 for "large"
-# values) reach, so that a wrong cap changes the result.
-SOFT_CAP = 3.0
-SOFT_CAPS = (None, SOFT_CAP, 0.7, 1.0)  # and the cap's other cells: below 1, 1
-LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
-# An explicit mask value: masked logits still underflow (a fully masked row is don't-care).
-MASK_VALUE = -1e30
-BLOCK_FIELDS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-                "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
-
-
-@dataclasses.dataclass(frozen=True)
-class SplashParams(Params):
-    dtype: str
-    api: str  # "mha" (make_splash_mha; GQA when kv_heads < heads) or "mqa" (make_splash_mqa)
-    heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    v_head_dim: int
-    masks: tuple  # one mask description per query head
-    segments: str  # "none" or "packed"
-    segment_starts: tuple[int, ...]
-    soft_cap: float | None
-    blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
-    fused_bwd: bool  # use_fused_bwd_kernel: dq from the dkv kernel
-    head_shards: int
-    q_seq_shards: int
-    values: str  # an S.VALUE_KINDS distribution
-    downcast_smem_data: bool = True  # the mask metadata kept in SMEM as narrow ints
-    # QKVLayout names of q, k and v inside the kernel (the arrays given are [.., S, D] either way)
-    layouts: tuple[str, str, str] = ("HEAD_DIM_MINOR",) * 3
-    segment_dtype: str = "int32"
-    mask_value: float | None = None  # None: the kernel's default
-
-    @property
-    def sequence_length(self) -> int:
-        return self.kv_len
-
-    @property
-    def device_count(self) -> int:
-        return self.head_shards * self.q_seq_shards
-
-    @property
-    def block_sizes(self) -> dict[str, int]:
-        return dict(self.blocks)
+from attncheck.cases import Case
+from attncheck.specs.splash.masks import mask_descriptions
+from attncheck.specs.splash.params import (FAMILY, LAYOUTS, MASK_VALUE, NUM_LANES, SHAPES, SHARDINGS, SOFT_CAPS,
+                                           SplashParams)
 
 
 @st.composite
@@ -87,10 +24,6 @@ def block_sizes(draw, q_len: int, kv_len: int, fused: bool) -> tuple[tuple[str, 
     # fused backward), dropped when fused: it computes dq in the dkv kernel.
     dq = {"block_q_dq": draw(st.sampled_from(q_blocks)), "block_kv_dq": draw(st.sampled_from(kv_blocks))}
     return tuple(sizes.items()) + (() if fused else tuple(dq.items()))
-
-
-# How a case is sharded: (head_shards, q_seq_shards).
-SHARDINGS = ((1, 1), (2, 1), (1, 2))
 
 
 @st.composite
