@@ -7,11 +7,8 @@ default ``.attncheck_cache``, in ``xla/``; ``none`` turns it off with the covera
 Most of the gate's kernel time is tracing and compiling interpret-mode and XLA programs,
 and xdist workers, later runs and the mutation runner's copies compile the same ones
 again; with the cache they load what another process compiled (tracing is still done
-every time). Measured on the full gate at -n 0 (before the cache was made the default):
-257 s on a warm cache, 388 s on an empty one (a process still reloads executables it
-compiled), 471 s without one. On one family, 2 cores shared with other jobs (2026-12-01):
-blockwise_ffn on xla at -n 0, 143 s without a cache, 162 s cold, 27 s warm;
-ring_flash_attention on interpret-hazards at -n auto, 115 s cold, 76 s and 73 s warm.
+every time), and even an empty one helps within a run: a process reloads executables it
+compiled itself. docs/measured.md has the gate's time on a cold and on a warm cache.
 
 What makes an entry safe to reuse (jax 0.12, ``jax/_src/cache_key.py``): the key hashes
 the lowered module, the jaxlib version, the platform, ``$XLA_FLAGS`` (the simulated device
@@ -23,12 +20,10 @@ callbacks when it deserializes an entry (``compilation_cache.get_executable_and_
 so an entry carries no Python state of the process that wrote it
 (``tests/selftest/test_compile_cache.py`` checks both).
 
-It was opt-in for a while: on a warm cache the 8-device ring flash case of the
-interpret-hazards backend deadlocked in five of five full runs. That deadlock was not the
-cache's (a fresh clone without one hung once too): XLA ran a collective and an
-interpreted kernel in different orders on different devices, which
-``interpret_compat.ordered_collectives`` now prevents. The cache only made it likely by
-changing the timing.
+A warm cache changes the timing of a run, which can make a latent deadlock likely: an
+8-device ring where XLA runs a collective and an interpreted kernel in different orders on
+different devices, which ``interpret_compat.ordered_collectives`` prevents; the deadlock is
+not the cache's.
 ``benchmarks/gate_bench.py --soak N`` re-measures the whole gate: N consecutive warm full
 gates, each with a stack dump of every process if it hangs.
 """
@@ -40,7 +35,7 @@ import pathlib
 from attncheck import cache_root
 
 # Bounded so a long-lived checkout does not grow without limit; least recently used
-# entries go first. A full gate writes about 60 MB.
+# entries go first. The bound holds the entries of many full gates.
 MAX_BYTES = 2 << 30
 DISABLED = cache_root.DISABLED
 SUBDIR = "xla"
@@ -68,8 +63,8 @@ def configure(directory: pathlib.Path | None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
-    # The default (1 s) would skip nearly every gate executable: each compiles in 0.1-1 s,
-    # but there are hundreds.
+    # The default (1 s) would skip nearly every gate executable: each compiles in under a
+    # second, but there are hundreds.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # A size bound makes jax lock the directory, which is what keeps two workers from

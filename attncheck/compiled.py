@@ -58,10 +58,10 @@ def compiled(key: Hashable, build: Callable[[], Callable]) -> Callable:
 
 
 # Each compiled XLA CPU program maps its code into the process (about 6 mappings each, kept
-# while jax or this module holds the program). A nightly shard's worker compiled enough of
-# them in 18 minutes to reach the kernel's limit on mappings (vm.max_map_count, 65530 by
-# default), and then XLA's LLVM failed to map a new program ("Cannot allocate memory") and
-# aborted the worker: lost cases. Past half the limit, every program is let go (and
+# while jax or this module holds the program). A long-running worker (a nightly shard's)
+# compiles enough of them to reach the kernel's limit on mappings (vm.max_map_count, 65530
+# by default), and then XLA's LLVM fails to map a new program ("Cannot allocate memory") and
+# aborts the worker: lost cases. Past half the limit, every program is let go (and
 # compiled again, mostly from the persistent cache, when a case needs it).
 _MAPS = pathlib.Path("/proc/self/maps")
 _MAP_LIMIT = pathlib.Path("/proc/sys/vm/max_map_count")

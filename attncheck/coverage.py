@@ -140,9 +140,9 @@ def update_shipped(specs: Iterable[KernelSpec]) -> list[pathlib.Path]:
 def search(spec: KernelSpec) -> list[Case]:
     """Shrink toward the simplest case of each class not yet exercised by an earlier find;
     a case found on several simulated devices is searched again on fewer. Shrinking
-    minimizes hypothesis' choices, not what a case costs, and left a ring flash example of
-    large logits, a class that has nothing to do with devices, on a ring of 8 (9 s a run,
-    against 0.6 s on one device).
+    minimizes hypothesis' choices, not what a case costs, and may leave the example of a
+    class that has nothing to do with devices (a ring flash case of large logits) on a ring
+    of 8, many times slower than on one device.
 
     The example of a class is searched outside the classes whose deviation the family
     ships for its own implementations (``KernelSpec.expectations``), where there is one:
@@ -244,8 +244,8 @@ FEWER_DEVICES_EXAMPLES = 300
 # ------------------------------------------------------------------ the splits
 # A family's coverage examples are split into tests of at most this many, so that xdist
 # spreads one family's coverage over every worker instead of queueing it behind another
-# family's on one worker: under -x, a bug that only a family's last examples show was found
-# 64-76 s into the run with the flash coverage as one test.
+# family's on one worker: under -x, a bug that only a family's last examples show is found
+# early in the run, not after the whole of that family's coverage.
 EXAMPLES_PER_TEST = 4
 
 

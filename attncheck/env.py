@@ -5,13 +5,13 @@ Set only when a run asks for attncheck (the pytest plugin is inert otherwise), b
 creates its backends and before NumPy is imported: XLA reads its flags and the device
 count when the CPU backend starts, NumPy chooses its SIMD kernels when it is imported.
 
-Why the code generation is fixed (measured on an AMD EPYC with AVX-512 and AVX512-BF16,
-jax 0.12.0.1, numpy 2.5.5): a record's errors and budgets depend on every rounding of the
-kernel, the yardstick and the oracle, and each of these chose its code by the host CPU.
+Why the code generation is fixed (jax 0.12.0.1, numpy 2.5.5, on an x86 host with AVX-512
+and AVX512-BF16): a record's errors and budgets depend on every rounding of the kernel,
+the yardstick and the oracle, and each of these chose its code by the host CPU.
 
-- XLA compiles for the host's instruction set: one ring case's dv budget is 0.802 with
-  AVX-512 code and 0.278 with AVX2 code (its worst element moves from key 5 to key 10).
-  ``--xla_cpu_max_isa`` caps it.
+- XLA compiles for the host's instruction set: AVX-512 and AVX2 code round a ring case's
+  dv otherwise, enough to move its budget severalfold and its worst element to another
+  key. ``--xla_cpu_max_isa`` caps it.
 - XLA hands dots to YNNPACK, which picks its kernels by the CPU it finds, whatever
   ``--xla_cpu_max_isa`` says: on this host a bfloat16 dot sums each pair of products odd
   element first (``vdpbf16ps``), where an AVX2 host sums them in order. YNNPACK (and XNNPACK,
@@ -66,9 +66,8 @@ LIBRARIES_OFF = ("--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_experimen
                  "--xla_cpu_use_xnnpack=false", "--xla_cpu_use_onednn=false")
 MAX_ISA_FLAG = "--xla_cpu_max_isa"
 # XLA ends the process (SIGABRT) when a device reaches a collective more than its stuck
-# warning's and its termination's timeouts (20 + 40 s) after another: measured, a 2-device
-# psum whose first device arrives 75 s late aborts 60 s in, with "Termination timeout ...
-# Exiting to ensure a consistent program state". Interpreted
+# warning's and its termination's timeouts (20 + 40 s by default) after another, with
+# "Termination timeout ... Exiting to ensure a consistent program state". Interpreted
 # kernels on several simulated devices, GIL-bound and on a loaded 2-core runner, can be that
 # late without any deadlock. A run waits for them; a real deadlock is the watchdog's to end
 # (attncheck.watchdog: a failing record naming the timeout, every thread's stack).

@@ -99,8 +99,8 @@ def run_order(items: list, durations: dict[str, float], changed: Mapping[str, in
     cases. Each family's lead test (``lead=True``: its simplest classes, where most bugs
     show) runs first, then its other fail-fast tests, each kind shortest first: a bug shows
     when the test holding the example that exposes it ends, and with tests of a few
-    examples each, shortest first ends the most examples soonest. Longest first, as before,
-    made a 1 s ring coverage test wait behind the 8-device ring flash ones (kills at 35-42 s).
+    examples each, shortest first ends the most examples soonest. Longest first would make a
+    short ring coverage test wait behind the 8-device ring flash ones.
 
     A fail-fast test with no record yet counts as the median of those that have one: they
     are alike in size (a few examples each), and a renumbered coverage split must not

@@ -7,27 +7,23 @@ Its distance to the float64 oracle says how much error the working precision its
 costs, which is what the tolerance is scaled by. It is NOT an oracle.
 
 It is written in the family's own layout (``seq_major``: [B, S, H, D] as the ring kernels
-take it, else [B, H, S, D]): XLA's CPU dot accumulates differently per layout, and
-measured on f32 ring cases with logits up to 50 the same naive attention is 4x further from
-the truth in [B, S, H, D] (5.0e-6) than in [B, H, S, D] (1.2e-6), itself luckier than f64
-logits rounded to f32 (2.8e-6). A yardstick in another layout than the kernel's measures
-the layout, not the kernel.
+take it, else [B, H, S, D]): XLA's CPU dot accumulates differently per layout, by several
+times on float32 cases of large logits. A yardstick in another layout than the kernel's
+measures the layout, not the kernel.
 
 Its backward is the textbook attention backward every kernel here implements (Dao et
 al.): P recomputed as exp(S - LSE), dS = P * (dP - rowsum(dO * O)) with O the delivered
 output. S itself is recomputed too, summing the head dim in reverse: a kernel recomputes
 its logits in its backward's tiles, and XLA's CPU dot may round another tile shape
-otherwise (measured at head dim 256: 89% of the logits differ, by 4.6e-6 RMS; reversing
-the head dim, 6.3e-6; at 64 and 128 these tiles agreed here, which is the dot library's
-choice, not a promise), so its P is not normalised by its own logits. On f32 logits up to
-50, a flash backward in other tiles than its forward's was 5x further from the oracle in
-dv (5.7e-5) than the same kernel in the forward's tiles (1.1e-5), which a yardstick
-reusing its forward's logits matched (1.1e-5; recomputing them, 7.0e-5).
+otherwise (at head dim 256 most of the logits differ; whether tiles agree at 64 and 128 is
+the dot library's choice, not a promise), so its P is not normalised by its own logits. A
+flash backward in other tiles than its forward's is then several times further from the
+oracle in dv than in the forward's tiles: a yardstick reusing its forward's logits is as
+close as the latter and fails the former.
 
-Autodiff of softmax reuses the forward's P and computes rowsum(dP * P), which on
-f32 cases with logits up to 50 is several times more accurate (measured: dq 5.7e-7 vs
-1.35e-6 from rowsum(dO * O); dv 1.2e-6 vs 5.7e-6 from the recomputed P): a
-yardstick for a different algorithm.
+Autodiff of softmax reuses the forward's P and computes rowsum(dP * P), which on float32
+cases of large logits is several times more accurate than rowsum(dO * O) and the
+recomputed P: a yardstick for a different algorithm.
 """
 
 from __future__ import annotations
@@ -53,10 +49,9 @@ _ORDER = threading.local()
 # The summation orders every yardstick is computed in (``check._yardsticks``): the
 # tolerance scales by the largest error of them. One order's worst error is one sample of
 # what the working precision costs, and where few elements carry the error (a gradient
-# that cancels over a handful of keys) the sample is noisy: a ring case's dk (5 visible
-# keys, values offset by a constant) was 1.37e-6 and 0.94e-6 from the oracle in the given
-# and the reversed order, from 0.5e-6 to 5.8e-6 (median 2.0e-6) over 60 shuffles of its head
-# dim, and the kernel 6.06e-6: budget 1.38 against the first two.
+# that cancels over a handful of keys) the sample is noisy: the given and the reversed
+# order alone may both land far below what other orders of the same sum reach, and a
+# correct kernel summing in one of those would fail.
 ORDERS = 8
 
 
@@ -205,7 +200,7 @@ _softmax_times_v.defvjp(_softmax_times_v_fwd, _softmax_times_v_bwd)
 
 
 # The scale and the soft cap are traced, not static: drawn cases use several values of each,
-# and one compile per value was a third of the baseline's compiles.
+# and one compile per value would multiply the yardstick's compiles.
 @functools.partial(jax.jit, static_argnames=("masked_rows", "seq_major"))
 def _attention(q, k, v, ab, bias, visible, multiplier=None, fallback=None, *, scale, soft_cap, masked_rows,
                seq_major=False):
@@ -278,8 +273,8 @@ def attention_with_grads(q, k, v, d_out, *, scale, ab=None, bias=None, visible=N
 @functools.partial(jax.jit, static_argnames=("masked_rows", "seq_major"))
 def _forward_and_grads(q, k, v, ab, bias, visible, multiplier, fallback, d_out, *, scale, soft_cap, masked_rows,
                        seq_major):
-    """One compiled forward + VJP per shape and configuration (tracing the VJP per case
-    was most of the harness's own time)."""
+    """One compiled forward + VJP per shape and configuration: tracing the VJP per case
+    would outweigh the rest of the harness's own time."""
     def f(q, k, v, ab, bias):
         return _attention(q, k, v, ab, bias, visible, multiplier, fallback, scale=scale, soft_cap=soft_cap,
                           masked_rows=masked_rows, seq_major=seq_major)

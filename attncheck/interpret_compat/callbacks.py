@@ -63,13 +63,12 @@ def host_callbacks() -> Iterator[InterpretedCalls]:
     jax's ``io_callback_impl`` first moves every operand onto a CPU device as a jax array
     (``device_put``), and the interpreter's callbacks turn each back into an int or a NumPy
     array (``int()``, ``np.asarray``): for an interpreted kernel, made of a callback per
-    load, store, DMA and barrier, these two conversions were 55-60% of its run time
-    (py-spy on ring flash attention on 8 simulated devices: 11.1 s, 2.0 s without them).
+    load, store, DMA and barrier, these two conversions are most of its run time.
     The interpreter copies whatever it keeps of an operand (``np.array`` in
     ``_allocate_buffer``, slice assignment in the stores), so an operand that is only valid
     during the call is never kept. jax's own function also enters the CPU device and empty
     meshes around the call; these callbacks compute in NumPy (``thread_map`` runs its jax
-    in threads of its own), so that is left out too (it cost 15% more)."""
+    in threads of its own), so that is left out too (it only adds time to every call)."""
     from jax._src import callback as jax_callback
     from jax._src import tree_util
 

@@ -253,9 +253,9 @@ class MapPolicy(Protocol):
 
 # A passing record carries its map when its budget is at least this. A property of the
 # record alone, so that every runner, worker count and test order keeps the same maps (a
-# worker's worst so far, the rule before, made them depend on which worker ran what).
-# Measured on a full gate: 206 of 1733 comparisons at or past 0.3, the worst of 33 of its 41
-# kernel x impl x direction groups (the others' worst passing budgets were 0.15-0.29).
+# worker's worst so far would make them depend on which worker ran what). At 0.3 a full
+# gate keeps a map of the worst passing record of most kernel x impl x direction groups,
+# and of a small share of its comparisons (docs/DESIGN.md, "Reports").
 MAP_BUDGET = 0.3
 
 

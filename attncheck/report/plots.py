@@ -3,9 +3,9 @@ separate "exact 0" band (a zero error is a result, not a reason to stretch the a
 1e-24), heatmaps, the budget trend against the accepted budgets, and error maps (an
 embedded PNG of the cells under SVG axes and block boundaries).
 
-Hand-written rather than matplotlib: measured on a full gate report (docs/DESIGN.md,
-"Reports"), matplotlib's import alone takes several times longer than this whole page,
-drawing with it 15x longer, and it would be a new dependency of ~40 MB.
+Hand-written rather than matplotlib: on a full gate report matplotlib's import alone
+takes several times longer than this whole page, drawing with it far longer, and it would
+be a large new dependency (docs/DESIGN.md, "Reports", has the figures).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def _dot(a, b):
 
 def _dot_term_by_term(a, b):
     """a @ b in float32, its contraction summed one term at a time, first to last: a loop's
-    order, and the one XLA's CPU code sums a chunk's small dot in (measured bit for bit),
+    order, and the one XLA's CPU code sums a chunk's small dot in (bit for bit),
     where a whole array's dot is summed in Eigen's blocks."""
     def add_term(total, term):
         a_k, b_k = term
@@ -189,10 +189,9 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
         # In its given order its dots are whole arrays, which XLA's CPU code sums in Eigen's
         # blocks; in every other order it sums them term by term, over that order's
         # permutation of the features and hidden units. A blocked dot's worst error is a few
-        # times smaller than a loop's, and a correct chunked kernel is a loop on CPU
-        # (measured, float32, hidden 256, large values: this repository's kernel was the
-        # term-by-term sum bit for bit, 1.31e-5 from the oracle against the blocked dot's
-        # 3.52e-6, budget 1.10, on a nightly-drawable case).
+        # times smaller than a loop's, and a correct chunked kernel is a loop on CPU (this
+        # repository's kernel is the term-by-term sum bit for bit): held to the blocked dot
+        # alone, it fails on cases of large values.
         term_by_term = yardstick.order() > 0
         dense = functools.partial(_dense_ffn, dot=_dot_term_by_term) if term_by_term else _dense_ffn
         dense = _with_dropout_multiplier(dense) if case.params.stochastic else dense

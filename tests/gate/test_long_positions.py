@@ -3,7 +3,7 @@
 A kernel that keeps positions or offsets in 16 bits wraps at 32768 and puts the causal
 boundary in the wrong place. The whole sequence runs through the kernel; the oracle judges
 the last query rows (all past 32767) against every key, using explicit positions, which
-keeps the float64 reference small (about 10 s in all).
+keeps the float64 reference small.
 """
 
 from __future__ import annotations

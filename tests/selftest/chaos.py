@@ -76,8 +76,8 @@ def _forever_off_the_main_thread(*_):
 def hang_behind_pallas(q, k, v, *, causal: bool, sm_scale: float):
     """On each of 2 simulated devices, an interpret-mode Pallas kernel, then a host callback
     that never returns. XLA runs a program of several devices on threads of its own while
-    the main thread waits in native code for them (measured with jax 0.12: the callbacks'
-    threads are never the main one), as it does a ring kernel whose interpreted DMA or
+    the main thread waits in native code for them (with jax 0.12 the callbacks' threads
+    are never the main one), as it does a ring kernel whose interpreted DMA or
     semaphore wait hangs: pytest-timeout's SIGALRM never reaches the test, and only the
     watchdog ends it."""
     validate(q, k, v)
@@ -93,7 +93,7 @@ def hang_behind_pallas(q, k, v, *, causal: bool, sm_scale: float):
     return toy_attention(q, k, v, causal=causal, sm_scale=sm_scale) + jax.lax.stop_gradient(stuck.sum()).astype(q.dtype)
 
 
-# How long each call of slow_in_callback waits (measured: once per case), well inside the
+# How long each call of slow_in_callback waits (it is called once per case), well inside the
 # self-tests' short limit; a test of its four drawn cases takes more than the limit.
 SLOW_CALL_S = 2.0
 

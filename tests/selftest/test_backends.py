@@ -146,7 +146,7 @@ def test_hazard_checks_refuse_more_devices_than_their_limit_by_name():
 
 
 def test_hazard_checks_leave_rows_of_a_long_reduction_to_the_plain_interpreter():
-    """The race detector costs about 0.6 s a kv block: the ragged family's rows of thousands
+    """The race detector's cost grows with every kv block: the ragged family's rows of thousands
     of keys in 1-page blocks run on the plain interpret backend only, where their class
     still counts."""
     from attncheck import coverage

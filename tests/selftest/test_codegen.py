@@ -19,7 +19,7 @@ from tests.selftest.harness import REPO_ROOT
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 # Prints a digest of each computation whose rounding depends on the code it runs as (each
-# was measured to differ between two settings on an AVX-512 host).
+# differs between two settings on an AVX-512 host).
 PROBE = r"""
 import hashlib, json, os, sys
 from attncheck import env
@@ -75,8 +75,8 @@ def test_a_bfloat16_dot_sums_its_products_in_order():
 
 def test_a_long_dot_is_the_same_on_a_host_of_many_cpus():
     """Eigen splits a long contraction across XLA's threads, as many as there are CPUs or
-    simulated devices (8), whichever is more: measured, a [4, 400000] x [400000, 4] dot
-    differs between 8 and 16 threads. A run holds XLA at 8 whatever the host has (a host
+    simulated devices (8), whichever is more: a [4, 400000] x [400000, 4] dot differs
+    between 8 and 16 threads. A run holds XLA at 8 whatever the host has (a host
     of 16 CPUs is simulated with PJRT_NPROC, which the run replaces)."""
     assert _probe(PJRT_NPROC="16")["xla long dot"] == _probe()["xla long dot"]
 

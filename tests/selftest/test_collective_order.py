@@ -55,8 +55,8 @@ def test_ordered_collectives_leave_values_and_gradients_as_they_were_and_restore
 
 
 # A ring flash case on 8 devices on the first hazard variant (two simulated cores). Without
-# the ordering it deadlocked every time on a 2-core machine (7 devices at a
-# collective-permute, the 8th at the interpreter's barrier of the next kernel). XLA's
+# the ordering it deadlocks on a 2-core machine (7 devices at a collective-permute, the 8th
+# at the interpreter's barrier of the next kernel). XLA's
 # rendezvous timeout, cut to 30 s here, turns that hang into an abort, so the test fails
 # instead of hanging.
 _EIGHT_DEVICE_RING = """

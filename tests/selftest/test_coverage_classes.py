@@ -183,8 +183,9 @@ def test_dpa_fully_masked_row_counts_only_rows_within_their_query_length():
 
 @pytest.mark.parametrize("family", ["ring_attention", "ring_attention_standard", "ring_flash_attention"])
 def test_a_ring_family_takes_one_coverage_example_on_a_ring_of_8(family):
-    """The search looks again on fewer devices: hypothesis' shrinker alone left ring flash's
-    large-logits example on a ring of 8 beside the ring_of_8 class's own (9 s a run)."""
+    """The search looks again on fewer devices: hypothesis' shrinker alone may leave ring
+    flash's large-logits example on a ring of 8 beside the ring_of_8 class's own, many times
+    slower than on one device."""
     spec = all_specs()[family]
     on_8 = [case for case in coverage.examples(spec) if case.params.device_count == 8]
     assert len(on_8) == 1 and "ring_of_8" in spec.classes(on_8[0]), [spec.classes(c) for c in on_8]

@@ -671,7 +671,7 @@ def _two_cores_on_page_0(tokens: int):
 @pytest.mark.parametrize("seed", range(len(backends.HAZARD_VARIANTS)))
 def test_a_zero_length_dma_from_a_reshaped_ref_reads_nothing_on_every_hazard_variant(seed):
     """The zero-token copy touches no element of page 0: no race with the other core's
-    write (a copy of the whole view was one); a copy of its 16 tokens is one."""
+    write (a copy of the whole view would be one); a copy of its 16 tokens is one."""
     hazards = backends.BACKENDS["interpret-hazards"]
     with hazards.context(seed=seed, cores=2):
         got = np.asarray(_two_cores_on_page_0(0))

@@ -125,8 +125,8 @@ def test_the_hd64_kernel_is_verified_on_its_head_dim_with_its_deviations_declare
     assert {r["case"]["params"]["out_dtype"] for r in ran} == {None}
 
 
-# Two nightly cases of hd64 that ran back to back in one worker (the second one's last
-# sequence shortened to one token): the second call of the compiled kernel never returned.
+# Two cases of hd64 back to back in one worker (the second one's last sequence shortened to
+# one token): the pair on which the second call of the compiled kernel hung.
 _BACK_TO_BACK = '''
 import sys
 from attncheck import env

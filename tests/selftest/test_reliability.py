@@ -339,8 +339,8 @@ def test_report_merges_any_run_of_the_directory(gate_dir, pytester):
 
 @pytest.mark.skipif(compiled.mapping_count() is None, reason="the platform does not list a process's mappings")
 def test_a_process_near_its_mapping_limit_lets_its_compiled_programs_go():
-    """XLA maps each compiled CPU program into the process: a nightly shard's worker reached
-    vm.max_map_count after 18 minutes and lost its cases to LLVM's "Cannot allocate memory"."""
+    """XLA maps each compiled CPU program into the process: a long-running worker (a nightly
+    shard's) reaches vm.max_map_count and loses its cases to LLVM's "Cannot allocate memory"."""
     import jax
     import jax.numpy as jnp
 

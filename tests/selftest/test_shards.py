@@ -115,7 +115,7 @@ def test_tests_without_any_recorded_duration_still_spread_over_the_shards():
 def test_the_nightly_shards_split_its_longest_tests_by_the_nightlys_own_durations():
     """The nightly draws 8x the CI's examples, so its drawn tests weigh what the CI's do not:
     split by the CI's durations, its two longest (the blockwise FFN's and flash's drawn
-    tests, 979 and 902 s) shared one of four shards, 28.5 of its 30 minutes with its mutants.
+    tests) may share one of four shards, which with its mutants then nearly fills its time.
     tox's nightly env splits by the nightly's own record, and there its longest tests land in
     as many shards."""
     root = pathlib.Path(__file__).resolve().parents[2]

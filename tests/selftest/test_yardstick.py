@@ -22,8 +22,8 @@ def _inputs(seed: int = 0):
 @pytest.mark.parametrize("seq_major", [False, True])
 def test_fully_masked_rows_with_a_cotangent_follow_the_convention_in_every_direction(masked_rows, seq_major):
     """Rows whose segment is absent from kv, with a nonzero cotangent: the forward and every
-    gradient agree with the oracle's convention (measured before the fix: dv off by 1.76
-    under mean_of_v, the recomputed P of such a row being 1 instead of 1/K)."""
+    gradient agree with the oracle's convention (a recomputed P of 1 instead of 1/K for such
+    a row puts dv far off under mean_of_v)."""
     q, k, v, d_out = _inputs()
     q_ids = np.array([0, 0, 0, 1, 1, 9, 9, 9], np.int32)[None]  # segment 9 is absent from kv
     kv_ids = np.repeat(np.array([0, 1], np.int32), K // 2)[None]
@@ -87,11 +87,10 @@ def _naive_paged_attention(q, k_pages, v_pages, k_scales, v_scales, lengths, pag
 
 
 def test_a_naive_jax_program_of_the_paged_convention_is_within_its_yardsticks_tolerance():
-    """The case that found it (jax's paged kernel on int8 pages of "large" values failed
-    with budget 1.79 once the code generation was fixed): XLA computes ``/ 127.5`` as a
-    product with the rounded reciprocal, which moves these logits by up to 3e-5. A
-    yardstick that dequantised in NumPy was 4x closer to the oracle than any jax program
-    can be; it dequantises as XLA does now."""
+    """int8 pages of "large" values, where jax's paged kernel fails a yardstick that
+    dequantises in NumPy: XLA computes ``/ 127.5`` as a product with the rounded reciprocal,
+    which moves these logits, and NumPy's division is closer to the oracle than any jax
+    program can be. The yardstick dequantises as XLA does."""
     from attncheck import numerics
     from attncheck.specs import all_specs
 
@@ -127,10 +126,10 @@ def test_the_reversed_order_computes_the_same_attention_with_other_roundings():
 
 
 def test_the_tolerance_scales_by_the_larger_error_of_the_yardsticks():
-    """The case that asked for it: jax.nn's convention through this repository's flash
-    kernel, dbias of a 1-query case (28 elements): the forward-order yardstick was 2.98e-7
-    from the oracle, the reverse order 5.09e-7, the kernel 1.11e-6 (budget 1.06 against the
-    first alone, 0.66 against both). One order's worst error is one sample."""
+    """A direction of few elements (jax.nn's convention through this repository's flash
+    kernel, dbias of a 1-query case: 28 elements) gives the yardstick's orders worst errors
+    far apart, and a correct kernel may pass against the larger and fail against the
+    smaller. One order's worst error is one sample."""
     from attncheck import numerics
 
     truth = np.zeros(8)
@@ -154,22 +153,21 @@ def _builtin_passes(family: str, backend: str, seed: int, **params) -> None:
 
 
 def test_a_chunked_ffn_is_held_to_the_error_of_a_loops_sum():
-    """The case that found it, nightly-drawable: this repository's blockwise FFN, float32,
-    hidden 256, large values, in chunks of 16 rows of [2, 2, 96, 64]. Its chunks' dots sum
-    term by term on CPU (bit for bit), 1.31e-5 from the oracle, where the whole array's
-    blocked dot is 3.52e-6 (4.68e-6 reversed): budget 1.10, a correct kernel failed. The
-    FFN's other orders are a loop's."""
+    """This repository's blockwise FFN, float32, hidden 256, large values, in chunks of 16
+    rows of [2, 2, 96, 64]. Its chunks' dots sum term by term on CPU (bit for bit), a few
+    times further from the oracle than the whole array's blocked dot, in either order: held
+    to the blocked dot alone, the correct kernel fails. The FFN's other orders are a loop's."""
     _builtin_passes("blockwise_ffn", "xla", 579, dtype="float32", lead=(2, 2), seq_len=96, chunk_size=16, features=64,
                     features_out=24, hidden=256, b_in=True, b_out=True, values="large", stochastic=False, remat=False,
                     policy="none", prevent_cse=True)
 
 
 def test_a_gradient_carried_by_few_elements_is_held_to_more_than_two_orders():
-    """The case that found it, a nightly draw: this repository's blockwise ring attention,
-    float32, 5 queries seeing 5 keys (the rest absent segments), a full bias, values offset
-    by a constant, so dq and dk cancel over the 5 keys. The yardstick's dk was 1.37e-6 and
-    0.94e-6 from the oracle in the given and the reversed order, up to 5.8e-6 over shuffles
-    of its head dim, the kernel 6.06e-6: budget 1.38, a correct kernel failed."""
+    """This repository's blockwise ring attention, float32, 5 queries seeing 5 keys (the
+    rest absent segments), a full bias, values offset by a constant, so dq and dk cancel over
+    the 5 keys. The yardstick's dk in the given and the reversed order is far below what
+    shuffles of its head dim reach, and the correct kernel's dk lands among the shuffles:
+    held to two orders, it fails."""
     _builtin_passes("ring_attention", "xla", 1416, batch=1, bias="full", causal=False, check_vma=False, devices=1,
                     dropout_rate=0.0, dtype="float32", float32_logits=True, head_dim=32, heads=1,
                     highest_precision=True, key_chunk_size=8, per_device=16, placement="count", query_chunk_size=8,

@@ -188,8 +188,8 @@ BUG_CLASSES = bugclasses.bug_classes(
     # The contracts of the kernel's docstring, each where it can be observed.
     causal_absent_rows_skip_blocks=causal_absent_rows_skip_blocks,
     bias_neg_inf=lambda p: p.bias and p.bias_values in NEG_INF_KINDS,
-    # A -inf ab entry must hide its key whatever the scale's sign (the nightly found
-    # it: times -0.5 the largest logit, times 0 a NaN).
+    # A -inf ab entry must hide its key whatever the scale's sign (times -0.5 it is the
+    # largest logit, times 0 a NaN).
     bias_neg_inf_nonpositive_scale=lambda p: p.bias and p.bias_values in NEG_INF_KINDS and p.sm_scale <= 0,
     # A row whose -inf ab hides every key it would see: 0 with zero gradient when no
     # other segment's key is visible to it, else the fallback of an absent segment's row.
@@ -214,9 +214,9 @@ BUG_CLASSES = bugclasses.bug_classes(
     long_reduction_sink=lambda p: (p.dtype == "bfloat16" and p.values == S.SINK and sees_sink(p)
                                    and p.kv_len // p.blocks.block_k >= S.SINK_KV_BLOCKS),
     # float32 logits over a head dim of 256, recomputed by a backward in other tiles than
-    # the forward's: XLA's CPU dot rounds them otherwise there (measured: not at 64 or
-    # 128), so the backward's P is not normalised by its own logits. The nightly found the
-    # yardstick missing it (dv 1.4x its tolerance on a correct kernel).
+    # the forward's: XLA's CPU dot rounds them otherwise there (not at 64 or 128), so the
+    # backward's P is not normalised by its own logits, and a yardstick that misses it fails
+    # a correct kernel.
     f32_wide_head_retiled_backward=lambda p: (p.dtype == "float32" and p.head_dim == 256
                                               and len(set(logit_tiles(p))) > 1),
 ) + (bugclasses.numbers("sm_scale", lambda p: p.sm_scale, parameters.NUMBER_CELLS).classes + PAIRS

@@ -140,7 +140,8 @@ class PagedSpec(KernelSpec[PagedParams]):
         dtype and the pages' computed dtype (bfloat16 for float pages, as declared; float32
         for dequantised int8). int8 pages are dequantised by XLA, as a jax program writes it
         (``weight * scales / 127.5``): XLA multiplies by the rounded reciprocal of 127.5,
-        which moved the worst output of a "large" case by 1e-5 against NumPy's division."""
+        which rounds otherwise than NumPy's division, enough to move a "large" case's worst
+        output."""
         p = case.params
         q = inputs["q"]
         compute = np.promote_types(q.dtype, np.float32 if p.page_dtype == "int8" else ml_dtypes.bfloat16)
