@@ -3,16 +3,51 @@
 A case is small to record and exact to replay: inputs are rebuilt from (params, seed)
 alone (``attncheck repro CASE_ID``). Each family declares its parameters as a frozen
 dataclass deriving from :class:`Params`; the generic layer reads only what this base
-class declares.
+class declares. A group of sizes inside them (a kernel's block sizes) is a frozen
+dataclass deriving from :class:`Sizes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-from collections.abc import Mapping
+import typing
+from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Base of a group of sizes a case holds (a kernel's block sizes), a frozen dataclass of
+    ints; a field that may be None is a size the case leaves to the kernel.
+
+    Its JSON form is the list of (name, size) pairs of the sizes given, in field order (a
+    None field left out): the form these sizes were written in before they were typed, which
+    the case ids hash. A :class:`Params` field declared as a Sizes subclass is written and
+    read in that form.
+    """
+
+    def given(self) -> dict[str, int]:
+        """The sizes given, by name in field order (None fields left out): the keywords of
+        the kernel's own block sizes."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def to_json(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self.given().items())
+
+    @classmethod
+    def from_json(cls, pairs: Iterable[Iterable]) -> Sizes:
+        return cls(**dict(pairs))
+
+
+@functools.cache
+def _sizes_fields(params_type: type) -> dict[str, type[Sizes]]:
+    """The fields of a params type declared as a Sizes subclass, and that class."""
+    hints = typing.get_type_hints(params_type)
+    return {f.name: hints[f.name] for f in dataclasses.fields(params_type)
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], Sizes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +76,9 @@ class Params:
         raise NotImplementedError(f"{type(self).__name__} must define sequence_length")
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Each field's value; a :class:`Sizes` one by its own JSON form."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: v.to_json() if isinstance(v, Sizes) else v for name, v in values.items()}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Params:
@@ -49,7 +86,8 @@ class Params:
         unknown, missing = set(data) - names, names - set(data)
         if unknown or missing:
             raise ValueError(f"{cls.__name__}: parameters {sorted(unknown)} unknown, {sorted(missing)} missing")
-        return cls(**{k: freeze(v) for k, v in data.items()})
+        sizes = _sizes_fields(cls)
+        return cls(**{k: sizes[k].from_json(v) if k in sizes else freeze(v) for k, v in data.items()})
 
 
 def check_params_type(params_type: type) -> None:

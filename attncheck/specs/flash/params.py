@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from attncheck import strategies as S
-from attncheck.cases import Params
+from attncheck.cases import Params, Sizes
 
 FAMILY = "flash_attention"
 # What the ab entries hold besides normal values: -inf at some keys, every row keeping a
@@ -39,7 +38,7 @@ ABSENT_SEGMENT = 1000
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class BlockSizes(Sizes):
     """The kernel's ``BlockSizes``, field for field: the forward's, then the dkv pass's, then
     the dq pass's tiles."""
 
@@ -60,14 +59,6 @@ class BlockSizes:
         """The sizes an object with these fields holds (an implementation's ``BlockSizes``)."""
         return cls(**{name: getattr(blocks, name) for name in BLOCK_FIELDS})
 
-    def to_json(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) pairs in field order: the form case ids hash (a JSON list of pairs)."""
-        return tuple((name, getattr(self, name)) for name in BLOCK_FIELDS)
-
-    @classmethod
-    def from_json(cls, pairs: Iterable[Iterable]) -> BlockSizes:
-        return cls(**dict(pairs))
-
 
 BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockSizes))
 
@@ -86,7 +77,7 @@ class FlashParams(Params):
     segments: str  # "none", "packed", or "absent" (a query segment missing from kv)
     segment_starts: tuple[int, ...]
     values: str  # a VALUE_KINDS distribution
-    blocks: BlockSizes  # written to JSON as its (name, value) pairs
+    blocks: BlockSizes  # written to JSON as its (name, size) pairs (cases.Sizes)
     bias_values: str = "normal"  # a BIAS_VALUE_KINDS pattern of the ab entries
     emptied_row: int | None = None  # the query row "neg_inf_row" empties (None for the other kinds)
     segment_dtype: str = "int32"
@@ -95,12 +86,3 @@ class FlashParams(Params):
     @property
     def sequence_length(self) -> int:
         return self.kv_len
-
-    # A case id hashes this JSON: the blocks stay the [name, size] pairs they were first written as.
-    def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "blocks": self.blocks.to_json()}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FlashParams:
-        params = super().from_json(data)
-        return dataclasses.replace(params, blocks=BlockSizes.from_json(params.blocks))

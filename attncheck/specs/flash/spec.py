@@ -88,7 +88,7 @@ class FlashSpec(KernelSpec[FlashParams]):
         def forward(q, k, v, ab, q_seg, kv_seg):
             segment_ids = module.SegmentIds(q=q_seg, kv=kv_seg) if q_seg is not None else None
             return impl(q, k, v, ab, segment_ids, causal=p.causal, sm_scale=p.sm_scale,
-                        block_sizes=module.BlockSizes(**dataclasses.asdict(p.blocks)),
+                        block_sizes=module.BlockSizes(**p.blocks.given()),
                         **accepted_keywords(impl, vmem_limit_bytes=p.vmem_limit_bytes))
 
         return forward
