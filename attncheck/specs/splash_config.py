@@ -71,7 +71,7 @@ def splash_config_cases(draw) -> Case[SplashConfigParams]:
         diag_skip = draw(st.sampled_from(DIAG_SKIPS))
         grid = draw(st.sampled_from(DIAG_GRIDS))
         side = draw(st.sampled_from(S.divisors(math.gcd(p.q_len // p.q_seq_shards, p.kv_len), NUM_LANES)))
-        blocks = tuple((name, side) for name, _ in p.blocks)
+        blocks = dataclasses.replace(p.blocks, **dict.fromkeys(p.blocks.given(), side))
     return Case(FAMILY, SplashConfigParams(
         **{f.name: getattr(p, f.name) for f in dataclasses.fields(SplashParams)} | {"blocks": blocks},
         fuse_reciprocal=draw(st.booleans()), use_base2_exp=draw(st.booleans()),
@@ -106,8 +106,8 @@ def _diag_skip_drops_visible_keys(p: SplashConfigParams) -> bool:
     # backward's qk skip, on its own blocks, has no such condition.
     forward = p.num_stacked_q_heads == 1 and ("qk" in p.diag_skip or (
         "sv" in p.diag_skip and p.layouts[2] == "HEAD_DIM_MINOR"))
-    return (forward and _skip_drops_visible_keys(p, p.block_sizes["block_q"])) or (
-        "qk" in p.diag_skip and _skip_drops_visible_keys(p, p.block_sizes["block_q_dkv"]))
+    return (forward and _skip_drops_visible_keys(p, p.blocks.block_q)) or (
+        "qk" in p.diag_skip and _skip_drops_visible_keys(p, p.blocks.block_q_dkv))
 
 
 # jax's splash classes a 2-D mask and the fused backward cannot reach.
@@ -134,9 +134,9 @@ class SplashConfigSpec(SplashSpec):
         # With an offset of whole blocks the diagonal runs through every partial block's
         # corners, where the skip leaves out only hidden keys.
         diag_skip_offset_whole_blocks=lambda p: bool(p.diag_skip) and _diag_offset(p) != 0 == _diag_offset(p) % (
-            p.block_sizes["block_q"]),
+            p.blocks.block_q),
         diag_skip_over_visible_keys=_diag_skip_drops_visible_keys,
-        diag_skip_kv_blocks_several=lambda p: bool(p.diag_skip) and p.block_sizes["block_kv"] < p.kv_len,
+        diag_skip_kv_blocks_several=lambda p: bool(p.diag_skip) and p.blocks.block_kv < p.kv_len,
         dkv_reuse_scaled_q=lambda p: p.dkv_reuse_scaled_q,
         every_key_hidden=lambda p: not classes.head_masks(p).any(),
     ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
@@ -172,7 +172,7 @@ class SplashConfigSpec(SplashSpec):
         factory = factory or (impl if p.api == "mha" else module.make_splash_mqa)
         layouts = {f"{x}_layout": module.QKVLayout[name] for x, name in zip("qkv", p.layouts)}
         config = module.SplashConfig(
-            **p.block_sizes, **layouts, attn_logits_soft_cap=p.soft_cap, fuse_reciprocal=p.fuse_reciprocal,
+            **p.blocks.given(), **layouts, attn_logits_soft_cap=p.soft_cap, fuse_reciprocal=p.fuse_reciprocal,
             use_base2_exp=p.use_base2_exp, dq_reduction_steps=p.dq_reduction_steps,
             num_stacked_q_heads=p.num_stacked_q_heads, use_experimental_scheduler=p.use_experimental_scheduler,
             qk_diag_skip="qk" in p.diag_skip, sv_diag_skip="sv" in p.diag_skip, qk_diag_grid=p.qk_diag_grid,

@@ -50,9 +50,18 @@ def test_numpy_layout_0_on_three_kv_tiles_has_every_block_condition():
 def params(**changes) -> splash_params.SplashParams:
     base = dict(dtype="float32", api="mha", heads=2, kv_heads=1, q_len=128, kv_len=256, head_dim=64, v_head_dim=64,
                 masks=(("causal", 128),) * 2, segments="none", segment_starts=(), soft_cap=None,
-                blocks=tuple((name, 128) for name in splash_params.BLOCK_FIELDS), fused_bwd=False, head_shards=1,
-                q_seq_shards=1, values="normal")
+                blocks=blocks(), fused_bwd=False, head_shards=1, q_seq_shards=1, values="normal")
     return splash_params.SplashParams(**(base | changes))
+
+
+def blocks(**changes) -> splash_params.BlockSizes:
+    """Blocks of 128 in every pass, dq's included, but for ``changes``."""
+    return splash_params.BlockSizes(**dict.fromkeys(splash_params.BLOCK_FIELDS, 128) | changes)
+
+
+def fields_of(p: splash_params.SplashParams) -> dict:
+    """The params' fields as keywords (not dataclasses.asdict: it would turn the blocks into a dict)."""
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
 
 
 @pytest.mark.parametrize("masks, q_len, kv_len, shrunk", [
@@ -78,7 +87,7 @@ def test_fully_masked_rows_in_visited_q_blocks_or_in_q_blocks_without_keys():
     assert splash_classes.fully_masked_row_in_visited_block(some_rows)
     assert not splash_classes.q_block_without_keys(some_rows)
     # The same empty rows inside a q block of 256 rows, half of which see keys.
-    wide_q_block = dataclasses.replace(empty_block, blocks=(("block_q", 256),) + empty_block.blocks[1:])
+    wide_q_block = dataclasses.replace(empty_block, blocks=blocks(block_q=256))
     assert splash_classes.fully_masked_row_in_visited_block(wide_q_block)
 
 
@@ -94,9 +103,8 @@ def test_segments_vary_across_tiles_in_every_pass():
     assert splash_classes.segments_vary_across_tiles(params(**square, segment_starts=(0, 1)))
     assert not splash_classes.segments_vary_across_tiles(params(**square, segment_starts=(0,)))
     # One q block in the forward pass: its q segment map is not tested.
-    blocks = dict(params().blocks) | {"block_q": 256}
     assert not splash_classes.segments_vary_across_tiles(params(**square, segment_starts=(0, 1),
-                                                               blocks=tuple(blocks.items())))
+                                                               blocks=blocks(block_q=256)))
 
 
 def test_the_yardstick_applies_a_mask_per_query_head():
@@ -130,21 +138,21 @@ def test_a_kernel_factory_that_is_a_partial_is_named_after_its_module_attribute(
     assert impl_origin(kernel_module.make_splash_mqa) != impl_origin(impl)
 
 
-@pytest.mark.parametrize("blocks, fused, leaks", [
+@pytest.mark.parametrize("changes, fused, leaks", [
     ({}, False, False),  # backward q blocks of 128: the NaN block is never visited
     ({"block_q_dq": 256}, False, True),  # the dq pass's q block of 256 holds the NaN rows and visits kv
     ({"block_q_dkv": 256}, False, True),
     ({"block_q_dkv": 256}, True, True),  # fused: dq comes from the dkv pass
     ({"block_q": 256, "block_q_dkv": 256, "block_q_dq": 256}, False, False),  # no forward q block without keys
 ])
-def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_block(blocks, fused, leaks):
+def test_the_declared_finding_is_a_forward_nan_block_inside_a_visited_backward_block(changes, fused, leaks):
     """Measured on jax 0.12.0.1 (bottom-right causal, q_len 256 > kv_len 128): NaN in dq,
     or in dk and dv, exactly for the configurations marked leaks (the class whose deviation
     jax's kernel declares; findings/repro_splash_backward_block_nan.py)."""
-    sizes = dict(params().blocks) | blocks
+    sizes = blocks(**changes)
     if fused:
-        sizes = {name: size for name, size in sizes.items() if name not in ("block_q_dq", "block_kv_dq")}
-    p = params(q_len=256, kv_len=128, masks=(("causal", -128),) * 2, blocks=tuple(sizes.items()), fused_bwd=fused)
+        sizes = dataclasses.replace(sizes, block_q_dq=None, block_kv_dq=None)
+    p = params(q_len=256, kv_len=128, masks=(("causal", -128),) * 2, blocks=sizes, fused_bwd=fused)
     assert splash_classes.forward_nan_rows_reach_backward(p) is leaks
 
 
@@ -174,7 +182,7 @@ def test_the_declared_diag_skip_finding_is_a_visible_key_in_a_left_out_sub_tile(
     """Measured with tokamax 0.0.17 (kv_len 256, blocks of 128, sub-grid 2; the cases with one
     stacked head by findings/repro_tokamax_splash_diag_skip_offset.py's kernel): the output
     deviates by 0.4 to 0.6 exactly where drops is True, and agrees with float64 to 1e-6 elsewhere."""
-    p = splash_config.SplashConfigParams(**dataclasses.asdict(params(q_len=q_len, masks=(("causal", offset),) * 2)),
+    p = splash_config.SplashConfigParams(**fields_of(params(q_len=q_len, masks=(("causal", offset),) * 2)),
                                          diag_skip=(skip,), num_stacked_q_heads=stacked)
     exercised = splash_config.SplashConfigSpec().classes(Case(splash_config.FAMILY, p, seed=0))
     assert ("diag_skip_over_visible_keys" in exercised) is drops
@@ -197,7 +205,7 @@ def test_the_declared_keyless_shard_crash_is_make_splash_mhas(masks, q_seq_shard
     library = kernel_module.mask_lib
     mask = library.MultiHeadMask([splash_masks.build(library, d, (256, 128)) for d in masks])
     build = functools.partial(kernel_module.make_splash_mha, mask, head_shards=1, q_seq_shards=q_seq_shards,
-                              block_sizes=kernel_module.BlockSizes(**p.block_sizes))
+                              block_sizes=kernel_module.BlockSizes(**p.blocks.given()))
     if crashes:
         with pytest.raises(AssertionError):
             build()
@@ -210,11 +218,11 @@ def test_a_sharded_kernel_lowers_for_tpu():
     tpu-lower: over the CPU devices, Mosaic's lowering asked their kind and failed
     ("Unsupported TPU device kind: cpu"; the case the nightly's random draws found)."""
     spec = all_specs()[splash_params.FAMILY]
-    blocks = (("block_q", 128), ("block_kv", 384), ("block_kv_compute", 128), ("block_q_dkv", 128),
-              ("block_kv_dkv", 384), ("block_kv_dkv_compute", 384))
-    case = spec.case(10933, **dataclasses.asdict(params(
+    fused = splash_params.BlockSizes(block_q=128, block_kv=384, block_kv_compute=128, block_q_dkv=128,
+                                     block_kv_dkv=384, block_kv_dkv_compute=384)
+    case = spec.case(10933, **fields_of(params(
         api="mqa", heads=2, kv_heads=1, q_len=256, kv_len=384, head_dim=128, v_head_dim=64, dtype="bfloat16",
-        masks=(("chunked", 64),) * 2, blocks=blocks, fused_bwd=True, head_shards=2, soft_cap=3.0, values="large",
+        masks=(("chunked", 64),) * 2, blocks=fused, fused_bwd=True, head_shards=2, soft_cap=3.0, values="large",
         layouts=("HEAD_DIM_MINOR", "SEQ_MINOR", "HEAD_DIM_MINOR"), downcast_smem_data=True, mask_value=-1e30)))
     target = check.Target(spec, "builtin", resolve_impl(spec.default_impls["builtin"]), BACKENDS["tpu-lower"])
     records = check.check_case(target, case).records

@@ -65,13 +65,13 @@ RING_PRESENCES = dict(attn_bias=lambda p: p.bias != "none", segment_ids=lambda p
 def _minor_kv_blocks(p: FlashRingParams) -> tuple[str, str] | None:
     """How the forward and the dq pass walk a kv major block: in "several" minor blocks, in
     "one wide" (wider than a lane tile), or in "one" lane tile; None: the kernel's defaults."""
-    if not p.flash_blocks:
+    if not p.flash_blocks.given():
         return None
-    blocks = dict(p.flash_blocks)
+    blocks = p.flash_blocks
 
     def walk(minor: int) -> str:
-        return "several" if minor < blocks["block_k_major"] else "one wide" if minor > NUM_LANES else "one"
-    return walk(blocks["block_k"]), walk(blocks["block_k_dq"])
+        return "several" if minor < blocks.block_k_major else "one wide" if minor > NUM_LANES else "one"
+    return walk(blocks.block_k), walk(blocks.block_k_dq)
 
 
 def sees_every_key(p: RingParams) -> bool:
@@ -124,22 +124,22 @@ STANDARD_CLASSES = tuple(c for c in RING_CLASSES if not c.name.startswith("bias"
 
 # The ring flash kernel's: its blocks per ring step.
 FLASH_CLASSES = RING_CLASSES + bugclasses.bug_classes(
-    several_flash_blocks_per_step=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_q"] < p.per_device,
+    several_flash_blocks_per_step=lambda p: bool(p.flash_blocks.given()) and p.flash_blocks.block_q < p.per_device,
     # Inner kv blocks, forward and dq: a kv major block walked in several minor ones, and
     # a major block wider than a lane tile computed in one.
     several_kv_minor_blocks=lambda p: _minor_kv_blocks(p) == ("several", "several"),
     one_wide_kv_minor_block=lambda p: _minor_kv_blocks(p) == ("one wide", "one wide"),
     # Causal over several devices with kv major blocks narrower than a device's chunk:
     # the block skipping adds a block offset to the ring step's chunk offset.
-    causal_ring_kv_blocks_in_chunk=lambda p: (p.causal and p.device_count > 1 and bool(p.flash_blocks)
-                                              and dict(p.flash_blocks)["block_k_major"] < p.per_device),
+    causal_ring_kv_blocks_in_chunk=lambda p: (p.causal and p.device_count > 1 and bool(p.flash_blocks.given())
+                                              and p.flash_blocks.block_k_major < p.per_device),
     bf16_long_kv_offset_values=lambda p: p.dtype == "bfloat16" and p.seq_len >= 512 and p.values == "offset",
     # A forward tile over several batch elements, and a dkv pass whose kv blocks are
     # wider than a lane tile: block fields the draws otherwise leave at one value.
-    flash_block_over_batch=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_b"] > 1,
-    wide_dkv_kv_blocks=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_dkv"] > NUM_LANES,
+    flash_block_over_batch=lambda p: bool(p.flash_blocks.given()) and p.flash_blocks.block_b > 1,
+    wide_dkv_kv_blocks=lambda p: bool(p.flash_blocks.given()) and p.flash_blocks.block_k_dkv > NUM_LANES,
 ) + ring_pairs(bugclasses.partition(
-    "kv_blocks", default=lambda p: not p.flash_blocks,
-    one=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] == p.per_device,
-    several=lambda p: bool(p.flash_blocks) and dict(p.flash_blocks)["block_k_major"] < p.per_device)
+    "kv_blocks", default=lambda p: not p.flash_blocks.given(),
+    one=lambda p: bool(p.flash_blocks.given()) and p.flash_blocks.block_k_major == p.per_device,
+    several=lambda p: bool(p.flash_blocks.given()) and p.flash_blocks.block_k_major < p.per_device)
 ) + bugclasses.presences(**RING_PRESENCES)

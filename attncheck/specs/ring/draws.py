@@ -7,20 +7,20 @@ from hypothesis import strategies as st
 from attncheck import strategies as S
 from attncheck.cases import Case
 from attncheck.specs.ring.params import (BIAS_KINDS, DEVICE_COUNTS, DROPOUT_RATES, NUM_LANES, PLACEMENTS,
-                                         SEGMENT_KINDS, SM_SCALES, VALUE_KINDS, ChunkedRingParams, FlashRingParams,
-                                         MaskedRingParams, RingParams)
+                                         SEGMENT_KINDS, SM_SCALES, VALUE_KINDS, ChunkedRingParams, FlashBlocks,
+                                         FlashRingParams, MaskedRingParams, RingParams)
 
 
 @st.composite
-def flash_block_sizes(draw, per_device: int, batch: int) -> tuple[tuple[str, int], ...]:
+def flash_block_sizes(draw, per_device: int, batch: int) -> FlashBlocks:
     """The flash kernel's block sizes for one ring step's (q block, kv block) of per_device
     tokens each; the backward's major blocks mirror the forward's."""
     k_major = draw(st.sampled_from(S.divisors(per_device, NUM_LANES)))
-    return (("block_q", draw(st.sampled_from(S.divisors(per_device, NUM_LANES)))), ("block_k_major", k_major),
-            ("block_k", draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))),
-            ("block_b", draw(st.sampled_from(S.divisors(batch, 1)))),
-            ("block_k_dkv", draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))),
-            ("block_k_dq", draw(st.sampled_from(S.divisors(k_major, NUM_LANES)))))
+    return FlashBlocks(block_q=draw(st.sampled_from(S.divisors(per_device, NUM_LANES))), block_k_major=k_major,
+                       block_k=draw(st.sampled_from(S.divisors(k_major, NUM_LANES))),
+                       block_b=draw(st.sampled_from(S.divisors(batch, 1))),
+                       block_k_dkv=draw(st.sampled_from(S.divisors(k_major, NUM_LANES))),
+                       block_k_dq=draw(st.sampled_from(S.divisors(k_major, NUM_LANES))))
 
 
 @st.composite
@@ -50,7 +50,7 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
         params["key_chunk_size"] = draw(st.sampled_from(S.divisors(per_device, 8)))
         params["dropout_rate"] = draw(st.sampled_from(DROPOUT_RATES))
     elif params_type is FlashRingParams:
-        params["flash_blocks"] = draw(st.one_of(st.just(()), flash_block_sizes(per_device, params["batch"])))
+        params["flash_blocks"] = draw(st.one_of(st.just(FlashBlocks()), flash_block_sizes(per_device, params["batch"])))
         params["vmem_limit_bytes"] = draw(st.sampled_from((None, 64 * 1024 * 1024)))
     elif params_type is MaskedRingParams:
         params["random_mask"] = draw(st.booleans())

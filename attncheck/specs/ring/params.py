@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from attncheck import strategies as S
-from attncheck.cases import Params
+from attncheck.cases import Params, Sizes
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 NUM_LANES = 128  # the ring flash kernel's blocks are lane tiles
@@ -76,10 +76,24 @@ class ChunkedRingParams(RingParams):
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashRingParams(RingParams):
-    """The ring flash kernel's block sizes per ring step (empty: its defaults)."""
+class FlashBlocks(Sizes):
+    """The flash kernel's ``BlockSizes`` fields a ring step's call gives (the backward's major
+    blocks mirror the forward's); none given (written as no pairs): the kernel's defaults,
+    fitted per call."""
 
-    flash_blocks: tuple[tuple[str, int], ...] = ()
+    block_q: int | None = None
+    block_k_major: int | None = None
+    block_k: int | None = None
+    block_b: int | None = None
+    block_k_dkv: int | None = None
+    block_k_dq: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashRingParams(RingParams):
+    """The ring flash kernel's block sizes per ring step (none given: its defaults)."""
+
+    flash_blocks: FlashBlocks = FlashBlocks()
     vmem_limit_bytes: int | None = None
 
 

@@ -266,7 +266,8 @@ class RingFlashSpec(RingSpec):
     bug_classes = FLASH_CLASSES
 
     def call(self, impl, p: FlashRingParams):
-        blocks = {"block_sizes": _block_sizes_type(impl)(**dict(p.flash_blocks))} if p.flash_blocks else {}
+        given = p.flash_blocks.given()
+        blocks = {"block_sizes": _block_sizes_type(impl)(**given)} if given else {}
         vmem = {"vmem_limit_bytes": p.vmem_limit_bytes} if p.vmem_limit_bytes else {}
 
         def f(q, k, v, bias=None, *, extras, seed=None):

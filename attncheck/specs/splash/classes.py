@@ -49,10 +49,10 @@ def occupancy(mask: np.ndarray, block_q: int, block_kv: int) -> np.ndarray:
 
 def pass_blocks(p: SplashParams) -> dict[str, tuple[int, int]]:
     """Each pass's (q block, kv block): the tiles its mask info describes."""
-    b = p.block_sizes
-    passes = {"fwd": (b["block_q"], b["block_kv"]), "dkv": (b["block_q_dkv"], b["block_kv_dkv"])}
+    b = p.blocks
+    passes = {"fwd": (b.block_q, b.block_kv), "dkv": (b.block_q_dkv, b.block_kv_dkv)}
     if not p.fused_bwd:
-        passes["dq"] = (b["block_q_dq"], b["block_kv_dq"])
+        passes["dq"] = (b.block_q_dq, b.block_kv_dq)
     return passes
 
 
@@ -241,8 +241,8 @@ def bwd_blocks_differ(p: SplashParams) -> bool:
 # The partitions crossed pairwise: the forward's kv blocks, the backward's kernels, the
 # heads against the kv heads, and how the call is sharded: a head or q-sequence shard's
 # offsets meet each.
-KV_BLOCKS = bugclasses.partition("kv_blocks", one=lambda p: p.block_sizes["block_kv"] >= p.kv_len,
-                                 several=lambda p: p.block_sizes["block_kv"] < p.kv_len)
+KV_BLOCKS = bugclasses.partition("kv_blocks", one=lambda p: p.blocks.block_kv >= p.kv_len,
+                                 several=lambda p: p.blocks.block_kv < p.kv_len)
 HEADS = bugclasses.partition("heads", mha=lambda p: p.api == "mha" and p.kv_heads == p.heads,
                              gqa=lambda p: p.api == "mha" and p.kv_heads < p.heads, mqa=lambda p: p.api == "mqa")
 SHARDS = bugclasses.partition("shards", none=lambda p: p.device_count == 1, heads=lambda p: p.head_shards > 1,
@@ -280,14 +280,14 @@ CLASSES = dict(
     segments_vary_across_tiles=segments_vary_across_tiles,
     q_seq_shards=lambda p: p.q_seq_shards > 1,
     head_shards=lambda p: p.head_shards > 1,
-    kv_compute_inner_loops=lambda p: (p.block_sizes["block_kv_compute"] < p.block_sizes["block_kv"]
-                                      and p.block_sizes["block_kv_dkv_compute"] < p.block_sizes["block_kv_dkv"]),
+    kv_compute_inner_loops=lambda p: (p.blocks.block_kv_compute < p.blocks.block_kv
+                                      and p.blocks.block_kv_dkv_compute < p.blocks.block_kv_dkv),
     bwd_blocks_differ=bwd_blocks_differ,
     fused_dq_over_kv_blocks=lambda p: p.fused_bwd and keys_in_several_blocks(p, pass_blocks(p)["dkv"]),
     dq_kernel_over_kv_blocks=lambda p: not p.fused_bwd and keys_in_several_blocks(p, pass_blocks(p)["dq"]),
     soft_cap=lambda p: p.soft_cap is not None,
     # Blocks of several lane tiles in every pass, and q, k, v read transposed.
-    wide_blocks=lambda p: all(p.block_sizes[f] > NUM_LANES for f in (
+    wide_blocks=lambda p: all(getattr(p.blocks, f) > NUM_LANES for f in (
         "block_q", "block_kv_compute", "block_q_dkv", "block_kv_dkv_compute")),
     seq_minor_layouts=lambda p: set(p.layouts) == {"SEQ_MINOR"},
     # q and kv segment ids of different lengths, either way round, and narrow ones; on

@@ -8,11 +8,11 @@ from attncheck import strategies as S
 from attncheck.cases import Case
 from attncheck.specs.splash.masks import mask_descriptions
 from attncheck.specs.splash.params import (FAMILY, LAYOUTS, MASK_VALUE, NUM_LANES, SHAPES, SHARDINGS, SOFT_CAPS,
-                                           SplashParams)
+                                           BlockSizes, SplashParams)
 
 
 @st.composite
-def block_sizes(draw, q_len: int, kv_len: int, fused: bool) -> tuple[tuple[str, int], ...]:
+def block_sizes(draw, q_len: int, kv_len: int, fused: bool) -> BlockSizes:
     """Valid block sizes (lane multiples, dividing their axis; q blocks divide a q shard)."""
     q_blocks, kv_blocks = S.divisors(q_len, NUM_LANES), S.divisors(kv_len, NUM_LANES)
     sizes = {"block_q": draw(st.sampled_from(q_blocks)), "block_kv": draw(st.sampled_from(kv_blocks))}
@@ -23,7 +23,7 @@ def block_sizes(draw, q_len: int, kv_len: int, fused: bool) -> tuple[tuple[str, 
     # Drawn either way (the same number of choices keeps the shrinker from preferring the
     # fused backward), dropped when fused: it computes dq in the dkv kernel.
     dq = {"block_q_dq": draw(st.sampled_from(q_blocks)), "block_kv_dq": draw(st.sampled_from(kv_blocks))}
-    return tuple(sizes.items()) + (() if fused else tuple(dq.items()))
+    return BlockSizes(**sizes, **({} if fused else dq))
 
 
 @st.composite

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from attncheck.cases import Params
+from attncheck.cases import Params, Sizes
 
 FAMILY = "splash_attention"
 NUM_LANES = 128  # every block size here is a multiple of it (backward q blocks must be, to lower)
@@ -28,10 +28,27 @@ SOFT_CAPS = (None, SOFT_CAP, 0.7, 1.0)  # and the cap's other cells: below 1, 1
 LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 # An explicit mask value: masked logits still underflow (a fully masked row is don't-care).
 MASK_VALUE = -1e30
-BLOCK_FIELDS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-                "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
 # How a case is sharded: (head_shards, q_seq_shards).
 SHARDINGS = ((1, 1), (2, 1), (1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes(Sizes):
+    """The kernel's ``BlockSizes`` sizes, field for field: the forward's, the dkv pass's,
+    then the dq pass's tiles; the fused backward computes dq in the dkv pass and has no dq
+    tiles (None: left out of the JSON pairs, as they were before the sizes were typed)."""
+
+    block_q: int
+    block_kv: int
+    block_kv_compute: int
+    block_q_dkv: int
+    block_kv_dkv: int
+    block_kv_dkv_compute: int
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+
+
+BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockSizes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +65,7 @@ class SplashParams(Params):
     segments: str  # "none" or "packed"
     segment_starts: tuple[int, ...]
     soft_cap: float | None
-    blocks: tuple[tuple[str, int], ...]  # BlockSizes fields as (name, value) pairs
+    blocks: BlockSizes  # written to JSON as its (name, size) pairs (cases.Sizes)
     fused_bwd: bool  # use_fused_bwd_kernel: dq from the dkv kernel
     head_shards: int
     q_seq_shards: int
@@ -66,8 +83,3 @@ class SplashParams(Params):
     @property
     def device_count(self) -> int:
         return self.head_shards * self.q_seq_shards
-
-    @property
-    def block_sizes(self) -> dict[str, int]:
-        return dict(self.blocks)
-

@@ -81,7 +81,7 @@ class SplashSpec(KernelSpec[SplashParams]):
         shape = (p.q_len, p.kv_len)
         mask = module.mask_lib.MultiHeadMask([build(module.mask_lib, d, shape) for d in p.masks])
         layouts = {f"{x}_layout": module.QKVLayout[name] for x, name in zip("qkv", p.layouts)}
-        blocks = module.BlockSizes(**p.block_sizes, use_fused_bwd_kernel=p.fused_bwd, **layouts)
+        blocks = module.BlockSizes(**p.blocks.given(), use_fused_bwd_kernel=p.fused_bwd, **layouts)
         return factory(mask, block_sizes=blocks, attn_logits_soft_cap=p.soft_cap, head_shards=p.head_shards,
                        q_seq_shards=p.q_seq_shards, downcast_smem_data=p.downcast_smem_data, **mask_value_of(p))
 
