@@ -132,14 +132,14 @@ import sys
 from attncheck import env
 env.configure()
 from attncheck import check
-from attncheck.specs import ragged_v3
+from attncheck.specs.ragged_v3.spec import SPEC
 params = dict(blocks="default", chunk_prefill_size=None, distribution=(1, 1, 4), dtype="bfloat16", head_dim=64,
               k_scale=0.3, kv_dtype="float8_e4m3fn", layout="wide", mask_value=-1e30, num_kv_heads=1, num_q_heads=4,
               out_dtype=None, page_size=16, q_scale=1.3, sliding_window=None, sm_scale=-0.5, soft_cap=0.7,
               v_scale=0.7, values="normal", vmem_limit_bytes=None)
-target = check.Target.named(ragged_v3.SPEC, "user", sys.argv[1], "interpret-hazards", ())
+target = check.Target.named(SPEC, "user", sys.argv[1], "interpret-hazards", ())
 for last in ((18, 31), (1, 1)):
-    case = ragged_v3.SPEC.case(131, **params, seqs=((1, 29), (27, 131), (6, 27), last))
+    case = SPEC.case(131, **params, seqs=((1, 29), (27, 131), (6, 27), last))
     records = check.check_case(target, case).records
     print(last, sorted((r.direction, r.passed) for r in records), [r.reason for r in records if not r.passed],
           flush=True)
