@@ -30,6 +30,7 @@ gates, each with a stack dump of every process if it hangs.
 
 from __future__ import annotations
 
+import collections
 import pathlib
 
 from attncheck import cache_root
@@ -39,6 +40,9 @@ from attncheck import cache_root
 MAX_BYTES = 2 << 30
 DISABLED = cache_root.DISABLED
 SUBDIR = "xla"
+# jax 0.12 (``jax/_src/lru_cache.py``, ``cache_key.get``) stores a program as
+# ``<module name>-<hash>-cache``, beside its access time (``-atime``).
+_ENTRY_SUFFIX = "-cache"
 
 
 def resolve(option: str | None) -> pathlib.Path | None:
@@ -70,3 +74,13 @@ def configure(directory: pathlib.Path | None) -> None:
     # A size bound makes jax lock the directory, which is what keeps two workers from
     # reading an entry the other is half-way through writing.
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+
+
+def programs(directory: pathlib.Path) -> collections.Counter[str]:
+    """The programs a cache directory holds, counted by the name jax gives a program (the
+    jitted function's: ``jit_run`` for a kernel's forward and VJP, ``jit__forward_and_grads``
+    for the yardstick's): after a run on an emptied cache, the distinct programs it compiled."""
+    names = collections.Counter()
+    for entry in directory.glob(f"*{_ENTRY_SUFFIX}") if directory.is_dir() else ():
+        names[entry.name[:-len(_ENTRY_SUFFIX)].rsplit("-", 1)[0]] += 1
+    return names

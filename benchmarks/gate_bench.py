@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 
-from attncheck import cache_root
+from attncheck import cache_root, compile_cache
 from attncheck.report import records as rec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -102,6 +102,10 @@ def run_gate(name: str, mode: str, cache: str, extra: list[str], *, timeout_s: f
               "log": str(log.relative_to(ROOT)),
               "tail": log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]}
     result["cores_busy"] = round(result["cpu_s"] / wall, 2)
+    if cache == "cold":
+        # What the emptied cache holds now is every distinct program the run compiled.
+        programs = compile_cache.programs(CACHE / compile_cache.SUBDIR)
+        result["programs_compiled"] = {"total": sum(programs.values()), "by_name": dict(programs.most_common())}
     try:
         report = json.loads((report_dir / "report.json").read_text())
     except (OSError, ValueError):
@@ -198,6 +202,8 @@ def _print_run(r: dict) -> None:
           f"{r['failures']} failing), {r['cases_per_minute']} cases/min, harness overhead "
           f"{r['harness_overhead_share']:.1%}, peak RSS/worker {r['peak_rss_mb_per_worker']} MB, "
           f"seconds in cases per worker {r['case_seconds_per_worker']}")
+    if "programs_compiled" in r:
+        print(f"    programs compiled: {_programs_line(r['programs_compiled'])}")
     print("    all kernels    " + "  ".join(f"{p[:-2]} {r['phase_totals'][p]:6.1f}" for p in PHASES)
           + f"  kernel outside records {r['kernel_s_outside_records']:6.1f}")
     for name, phase in r["phases"].items():
@@ -247,6 +253,25 @@ MARKDOWN_COMMAND = "./dev bench --markdown docs/measured.md"
 # The phases that add up to a run's total on the page (seconds summed over workers); the
 # *_compile_s ones are parts of the phase before them (PHASES).
 _TOTAL_PHASES = ("inputs_s", "kernel_s", "lower_s", "oracle_s", "yardstick_s", "compare_s")
+_COMPILE_PHASES = ("kernel_compile_s", "lower_s", "inputs_compile_s", "yardstick_compile_s")
+
+
+def _compiled_by_family(run: dict) -> dict[str, tuple[int, float]]:
+    """Family -> (cases, seconds of tracing and compiling: its kernel's, its lowering, its
+    inputs' and its yardstick's), summed over its backends."""
+    out: dict[str, tuple[int, float]] = {}
+    for name, phase in run.get("phases", {}).items():
+        family = name.split(" / ")[0]
+        cases, seconds = out.get(family, (0, 0.0))
+        out[family] = (cases + int(phase.get("cases", 0)),
+                       seconds + sum(phase.get(k, 0.0) for k in _COMPILE_PHASES))
+    return out
+
+
+def _programs_line(programs: dict) -> str:
+    """"N distinct programs (name count, ...)"."""
+    named = ", ".join(f"{name} {count}" for name, count in programs["by_name"].items())
+    return f"{programs['total']} distinct programs" + (f" ({named})" if named else "")
 
 
 def _cell(value, unit: str = "") -> str:
@@ -323,6 +348,22 @@ def render_markdown(results: dict, *, source: str = "reports/bench/bench.json") 
             lines.append(f"| {r['run']} | {total:.1f} s | {kernel:.1f} s | {_share(kernel, total)} | {compiled:.1f} s "
                          f"| {_share(compiled, kernel)} | {p.get('oracle_s', 0.0):.1f} s | "
                          f"{p.get('yardstick_s', 0.0):.1f} s | {inputs:.1f} s | {p.get('compare_s', 0.0):.1f} s |")
+        by_run = {r["run"]: _compiled_by_family(r) for r in measured}
+        families = sorted({f for compiled in by_run.values() for f in compiled})
+        lines += ["", "## Compiling, per family", "",
+                  ("Seconds summed over the workers that each family's cases spent tracing and compiling (its "
+                   "kernel's forward and VJP, its lowering, its inputs' and its yardstick's programs), over all "
+                   "its backends, and its cases."), "",
+                  "| family | " + " | ".join(f"{run} compiled | {run} cases" for run in by_run) + " |",
+                  "|---|" + "---|---|" * len(by_run)]
+        for family in families:
+            cells = [f"{by_run[run][family][1]:.1f} s | {by_run[run][family][0]}" if family in by_run[run] else "- | -"
+                     for run in by_run]
+            lines.append(f"| {family} | " + " | ".join(cells) + " |")
+        for r in measured:
+            if "programs_compiled" in r:
+                lines += ["", (f"{r['run']} compiled {_programs_line(r['programs_compiled'])}: the entries its "
+                               "emptied cache holds after it, by the name jax gives a program.")]
     sharded = results.get("sharded")
     if sharded:
         lines += ["", "## Shards", "",

@@ -34,7 +34,17 @@ BENCH = {
                       "jaxlib": "0.12.0.1", "numpy": "2.5.5"},
          "profile": "ci", "peak_rss_mb_per_worker": {"gw0": 1500, "gw1": 1720},
          "case_seconds_per_worker": {"gw0": 100.0, "gw1": 98.0}, "phase_totals": PHASES,
-         "kernel_s_outside_records": 1.0, "phases": {}},
+         "kernel_s_outside_records": 1.0,
+         "phases": {"flash_attention / interpret": {"cases": 30, "kernel_compile_s": 50.0, "yardstick_compile_s": 4.5},
+                    "flash_attention / tpu-lower": {"cases": 4, "lower_s": 2.0},
+                    "ring_attention / xla": {"cases": 20, "kernel_compile_s": 12.0, "inputs_compile_s": 1.5}}},
+        {"run": "n0-cold", "mode": "0", "cache": "cold", "exit_code": 0, "hung": False, "wall_s": 300.0,
+         "cpu_s": 290.0, "cores_busy": 0.97, "verdict": "PASS", "cases": 541, "comparisons": 2133, "failures": 0,
+         "cases_per_minute": 108.2, "harness_overhead_share": 0.2, "profile": "ci",
+         "peak_rss_mb_per_worker": {"main": 2000}, "case_seconds_per_worker": {"main": 280.0}, "phase_totals": PHASES,
+         "kernel_s_outside_records": 1.0,
+         "programs_compiled": {"total": 12, "by_name": {"jit_run": 9, "jit__forward_and_grads": 3}},
+         "phases": {"ring_attention / xla": {"cases": 20, "kernel_compile_s": 40.0}}},
     ],
     "sharded": {"shards": 2, "shard_wall_s": [60.5, 58.0], "wall_s_in_parallel": 60.5, "merge_exit_code": 0,
                 "runs": [], "merged_verdict": "PASS", "equals_unsharded": True},
@@ -58,6 +68,16 @@ def test_the_page_holds_the_figures_of_its_bench_json():
             "merged verdict PASS") in page
     assert "equals the unsharded run's" in page
     assert "2 warm gates in a row: 0 hung (stopped at 1200 s); wall 97-267 s; 2 PASS." in page
+
+
+def test_the_page_says_what_each_family_compiled_and_how_many_programs_a_cold_run_made():
+    page = _bench().render_markdown(BENCH)
+    assert "| family | nauto-warm compiled | nauto-warm cases | n0-cold compiled | n0-cold cases |" in page
+    # flash: 50 + 4.5 on interpret and the 2 s lowering, 34 cases over both backends.
+    assert "| flash_attention | 56.5 s | 34 | - | - |" in page
+    assert "| ring_attention | 13.5 s | 20 | 40.0 s | 20 |" in page
+    assert "n0-cold compiled 12 distinct programs (jit_run 9, jit__forward_and_grads 3)" in page
+    assert page.count("distinct programs") == 1  # only a cold run's cache holds what it compiled
 
 
 def test_a_bench_without_shards_soak_or_meta_renders_what_it_has():

@@ -56,6 +56,10 @@ def test_a_run_fills_the_cache_the_next_run_loads_it_and_none_uses_none(pytester
     _, cold_misses = _toy_run(pytester, "cold")
     entries = sorted(p.name for p in (root / compile_cache.SUBDIR).glob("*-cache"))
     assert cold_misses and len(entries) >= len(set(cold_misses))
+    # The bench's count of the distinct programs a cold run compiled: its entries, by the
+    # names jax's compiler logged them under.
+    programs = compile_cache.programs(root / compile_cache.SUBDIR)
+    assert sum(programs.values()) == len(entries) and set(programs) == set(cold_misses)
     warm_hits, warm_misses = _toy_run(pytester, "warm")
     # Everything the second run compiled came from the first run's entries; it wrote none.
     assert warm_hits and not warm_misses
