@@ -14,8 +14,10 @@ the yardstick and the oracle, and each of these chose its code by the host CPU.
   key. ``--xla_cpu_max_isa`` caps it.
 - XLA hands dots to YNNPACK, which picks its kernels by the CPU it finds, whatever
   ``--xla_cpu_max_isa`` says: on this host a bfloat16 dot sums each pair of products odd
-  element first (``vdpbf16ps``), where an AVX2 host sums them in order. YNNPACK (and XNNPACK,
-  oneDNN) are turned off; XLA's own code and Eigen remain.
+  element first (``vdpbf16ps``). YNNPACK (and XNNPACK, oneDNN) are turned off; XLA's own
+  code and Eigen remain. Their order of summation is still the platform's: a [8, 64] x
+  [64, 16] bfloat16 dot summed its products in order on this host and in another order
+  on an AMD EPYC with AVX2 and a 32 KiB L1d.
 - Eigen splits a long dot across the threads of XLA's pool, one per CPU or per simulated
   device, whichever is more: a [4, 400000] x [400000, 4] float32 dot differs between 8
   and 16 threads. ``PJRT_NPROC=1`` holds the pool at the 8 simulated devices on any host.

@@ -21,7 +21,7 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 # Prints a digest of each computation whose rounding depends on the code it runs as (each
 # differs between two settings on an AVX-512 host).
 PROBE = r"""
-import hashlib, json, os, sys
+import hashlib, json, os, re, sys
 from attncheck import env
 for warning in env.configure():
     print(warning, file=sys.stderr)
@@ -32,17 +32,15 @@ a, b = rng.standard_normal((1, 2048)).astype(np.float32), rng.standard_normal((2
 x = rng.standard_normal((64, 512)).astype(np.float32)
 p = rng.standard_normal((8, 64)).astype(ml_dtypes.bfloat16)
 r = rng.standard_normal((64, 16)).astype(ml_dtypes.bfloat16)
+bf16_dot = jax.jit(lambda p, r: jnp.dot(p, r, preferred_element_type=jnp.float32))
 long_a = rng.standard_normal((4, 400000)).astype(np.float32)
 long_b = rng.standard_normal((400000, 4)).astype(np.float32)
-bf16_dot = np.asarray(jax.jit(lambda p, r: jnp.dot(p, r, preferred_element_type=jnp.float32))(p, r))
-in_order = np.zeros((8, 16), np.float32)
-for i in range(64):  # bfloat16 products are exact in float32: one rounding per addition
-    in_order = (in_order + p[:, i:i + 1].astype(np.float32) * r[i:i + 1].astype(np.float32)).astype(np.float32)
 print(json.dumps({
     "xla dot": digest(jax.jit(jnp.dot)(a, b)),
     "xla exp": digest(jax.jit(lambda x: jnp.exp(x) + jnp.tanh(x))(x)),
     "xla long dot": digest(jax.jit(jnp.dot)(long_a, long_b)),
-    "bfloat16 dot in order": bool(np.array_equal(bf16_dot, in_order)),
+    "bfloat16 dot": digest(bf16_dot(p, r)),
+    "library fusions": sorted(set(re.findall(r'"kind":"(__[a-z]+_fusion)"', bf16_dot.lower(p, r).compile().as_text()))),
     "numpy exp": digest(np.exp(x.astype(np.float64)) + np.log1p(np.abs(x.astype(np.float64)))),
 }))
 """
@@ -60,17 +58,19 @@ def _probe(**environ: str) -> dict:
 @pytest.mark.skipif(not X86, reason="the instruction sets fixed and compared are x86-64's")
 def test_the_callers_xla_flags_do_not_change_a_runs_numbers():
     fixed = _probe()
-    for isa in ("SSE4_2", "AVX512"):
-        assert _probe(XLA_FLAGS=f"--xla_cpu_max_isa={isa}") == fixed, isa
+    for flags in ("--xla_cpu_max_isa=SSE4_2", "--xla_cpu_max_isa=AVX512", "--xla_cpu_experimental_ynn_fusion_type=dot"):
+        assert _probe(XLA_FLAGS=flags) == fixed, flags
     # The probe can tell: with the code left to the host, SSE4.2 code computes otherwise.
     assert _probe(XLA_FLAGS="--xla_cpu_max_isa=SSE4_2", **{env.ISA_ENV: env.HOST})["xla dot"] != fixed["xla dot"]
 
 
-def test_a_bfloat16_dot_sums_its_products_in_order():
-    """XLA's YNNPACK dots pick their kernel by the CPU, whatever --xla_cpu_max_isa says: on a
-    host with AVX512-BF16 they sum each pair of products odd element first. Off, the dot sums
-    in order on every host."""
-    assert _probe()["bfloat16 dot in order"]
+def test_no_dot_goes_to_a_library_that_picks_its_kernel_by_the_cpu():
+    """XLA hands dots to YNNPACK, which picks its kernel by the CPU it finds, whatever
+    --xla_cpu_max_isa says (on a host with AVX512-BF16 a bfloat16 dot summed each pair of
+    products odd element first). A run's dots are XLA's own."""
+    assert _probe()["library fusions"] == []
+    if X86:  # the probe can tell: left to the host, the dot is YNNPACK's
+        assert _probe(**{env.ISA_ENV: env.HOST})["library fusions"] == ["__ynn_fusion"]
 
 
 def test_a_long_dot_is_the_same_on_a_host_of_many_cpus():
