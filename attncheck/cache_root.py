@@ -30,12 +30,6 @@ def subdir(name: str) -> pathlib.Path | None:
     return None if root == DISABLED else pathlib.Path(root) / name
 
 
-# Files a cache rewrites in place: jax's access time of an entry (rewritten on every load)
-# is copied, its lock is left for the copy to create.
-_REWRITTEN_SUFFIX = "-atime"
-_LOCK_NAME = ".lockfile"
-
-
 def private_copy(dest: pathlib.Path) -> str:
     """A copy of the cache root at ``dest``, for a run whose programs must not outlive it:
     a mutated copy of the project compiles a bug's programs, and a later mutant's run that
@@ -54,10 +48,6 @@ def private_copy(dest: pathlib.Path) -> str:
         target = dest / path.relative_to(source)
         if path.is_dir():
             target.mkdir(exist_ok=True)
-        elif path.name == _LOCK_NAME:
-            continue
-        elif path.name.endswith(_REWRITTEN_SUFFIX):
-            shutil.copy2(path, target)
         else:
             try:
                 os.link(path, target)

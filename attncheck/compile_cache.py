@@ -35,14 +35,19 @@ import pathlib
 
 from attncheck import cache_root
 
-# Bounded so a long-lived checkout does not grow without limit; least recently used
-# entries go first. The bound holds the entries of many full gates.
+# Bounded so a long-lived checkout does not grow without limit, once per run (``trim``):
+# jax's own bound reads every entry's access time and locks the directory on each write,
+# 0.3-0.5 s a program beside a few thousand entries, more than most take to compile (two
+# oracle tests that compile 332 small programs: 10 s beside an empty directory, 168 s
+# beside 2500 entries). The bound holds the entries of many full gates.
 MAX_BYTES = 2 << 30
 DISABLED = cache_root.DISABLED
 SUBDIR = "xla"
 # jax 0.12 (``jax/_src/lru_cache.py``, ``cache_key.get``) stores a program as
-# ``<module name>-<hash>-cache``, beside its access time (``-atime``).
+# ``<module name>-<hash>-cache``; with its own bound, beside an access time (``-atime``)
+# and a lock (``.lockfile``), which a cache written by an earlier attncheck still holds.
 _ENTRY_SUFFIX = "-cache"
+_BOUND_FILES = ("-atime", ".lockfile")
 
 
 def resolve(option: str | None) -> pathlib.Path | None:
@@ -71,9 +76,32 @@ def configure(directory: pathlib.Path | None) -> None:
     # second, but there are hundreds.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # A size bound makes jax lock the directory, which is what keeps two workers from
-    # reading an entry the other is half-way through writing.
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    # No bound of jax's (MAX_BYTES). Without one jax takes no lock: a process that meets an
+    # entry another is half-way through writing fails to decompress it, warns and compiles
+    # the program itself (a truncated zlib stream is an error, never a shorter program).
+    jax.config.update("jax_compilation_cache_max_size", -1)
+
+
+def trim(directory: pathlib.Path, max_bytes: int = MAX_BYTES) -> None:
+    """Hold ``directory`` to ``max_bytes``, the entries read or written longest ago going
+    first, and remove what jax's own bound left there. Called by a run's first process,
+    before its workers start."""
+    entries = []
+    for path in directory.iterdir() if directory.is_dir() else ():
+        try:
+            if path.name.endswith(_ENTRY_SUFFIX):
+                stat = path.stat()
+                entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, path))
+            elif path.name.endswith(_BOUND_FILES):
+                path.unlink()
+        except FileNotFoundError:  # another run trimmed it first
+            continue
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
 
 
 def programs(directory: pathlib.Path) -> collections.Counter[str]:

@@ -67,7 +67,10 @@ class GateSession:
         if config.getoption("timeout", None) is None and not config.getini("timeout"):
             config.option.timeout = DEFAULT_TIMEOUT_S
             config.option.timeout_method = "signal"
-        compile_cache.configure(compile_cache.resolve(config.getoption("attncheck_compile_cache")))
+        compiled = compile_cache.resolve(config.getoption("attncheck_compile_cache"))
+        compile_cache.configure(compiled)
+        if compiled is not None and not self.is_worker:
+            compile_cache.trim(compiled)
         self.writer = rec.RecordWriter(self.report_dir, self.run_id, self.worker)
         self.error_maps = errormap.PastBudget()  # which records carry an error map
         self.stop_file = directory.stop_file(self.report_dir, self.run_id)
