@@ -38,7 +38,7 @@ from attncheck import cache_root
 # Bounded so a long-lived checkout does not grow without limit, once per run (``trim``):
 # jax's own bound reads every entry's access time and locks the directory on each write,
 # 0.3-0.5 s a program beside a few thousand entries, more than most take to compile (two
-# oracle tests that compile 332 small programs: 10 s beside an empty directory, 168 s
+# oracle tests that compile 332 small programs: 18 s beside an empty directory, 169 s
 # beside 2500 entries). The bound holds the entries of many full gates.
 MAX_BYTES = 2 << 30
 DISABLED = cache_root.DISABLED
