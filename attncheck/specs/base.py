@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import inspect
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -152,6 +152,23 @@ class KernelSpec(abc.ABC, Generic[P]):
     # ------------------------------------------------------------------ cases
     @abc.abstractmethod
     def cases(self) -> st.SearchStrategy[Case[P]]: ...
+
+    def program(self, params: P) -> Hashable:
+        """What a case's compiled program depends on: its params without what the kernel
+        is given as data (values, segment layouts, lengths). Cases of one program share a
+        compile (``compiled.compiled`` is keyed by it); default: all of the params."""
+        return params
+
+    def other_data(self, params: P) -> st.SearchStrategy[P]:
+        """The params with another draw of what ``program`` leaves out (default: the same
+        params, for a family whose data is all in a case's seed)."""
+        return st.just(params)
+
+    def variants(self, case: Case[P]) -> st.SearchStrategy[Case[P]]:
+        """Cases of ``case``'s program with other data and another seed: what the gate's
+        drawn part runs beside a drawn case instead of compiling another program
+        (``profiles.cases_per_program``)."""
+        return st.tuples(self.other_data(case.params), S.seeds).map(lambda drawn: Case(case.family, *drawn))
 
     def case(self, seed: int, **params) -> Case[P]:
         """A case of this family from keyword parameters."""

@@ -141,6 +141,12 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
     def cases(self):
         return ffn_cases()
 
+    def program(self, params):
+        return dataclasses.replace(params, values="")
+
+    def other_data(self, params):
+        return st.sampled_from(S.NORMAL_AND_LARGE).map(lambda values: dataclasses.replace(params, values=values))
+
     def inputs(self, case):
         p = case.params
         rng = np.random.default_rng(case.seed)
@@ -170,7 +176,7 @@ class BlockwiseFFNSpec(KernelSpec[FFNParams]):
             rng = {"rng": jax.random.key(seed)} if p.stochastic else {}
             return impl(ffn, pack(*params), x, chunk_size=p.chunk_size, **rng, **knobs)
 
-        return _grads(call, (impl_key(impl), dataclasses.replace(p, values="")), inputs, np.uint32(case.seed))
+        return _grads(call, (impl_key(impl), self.program(p)), inputs, np.uint32(case.seed))
 
     def _judged(self, inputs):
         """x, the weights, and the cotangent the dense FFN gets: with dropout, the output is

@@ -152,6 +152,12 @@ def segment_layout(draw, length: int, *, max_segments: int = 4) -> tuple[int, ..
     return tuple([0] + sorted(starts))
 
 
+def drawn_segment_layout(draw, segments: str, length: int) -> tuple[int, ...]:
+    """A case's segment layout over ``length`` tokens, drawn where it has segments (its
+    ``segments`` kind is not "none"); ``draw`` is a composite strategy's."""
+    return draw(segment_layout(length)) if segments != "none" else ()
+
+
 def segment_ids_from_layout(starts: tuple[int, ...], length: int) -> np.ndarray:
     ids = np.zeros(length, dtype=np.int32)
     for n, s in enumerate(starts):

@@ -1,7 +1,9 @@
 """Each static configuration traces its kernel once: the values of a case (inputs, seeds,
 the value distribution) are traced data, so every case of a configuration reuses one
 executable (``attncheck.compiled``), which the gate's speed rests on. chex's
-``assert_max_traces`` holds the kernel to it on the gate's own path (``check.check_case``).
+``assert_max_traces`` holds the kernel to it on the gate's own path (``check.check_case``),
+for literal cases and for a drawn case's variants (``KernelSpec.variants``: the gate's
+drawn part runs several cases of each program it draws).
 
 Kept out of the gate itself: chex counts the traces of a function by where it was wrapped
 and its source, not by configuration, and a configuration is traced again on purpose
@@ -15,6 +17,8 @@ import functools
 
 import chex
 import pytest
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
 
 from attncheck import check, compiled, specs
 from attncheck.backends import BACKENDS
@@ -38,22 +42,28 @@ def fresh(monkeypatch):
     chex.clear_trace_counter()
 
 
-def _run(between=lambda: None):
-    """The family's builtin kernel, guarded to trace at most once, run on each case as the
-    gate runs it; the records of each case and the number of traces."""
-    spec = specs.all_specs()[FAMILY]
-    impl = resolve_impl(spec.default_impls["builtin"])
+def _run(between=lambda: None, family=FAMILY, cases=None):
+    """The family's first default kernel, guarded to trace at most once, run on each case
+    (default: ``CASES`` of ``STATIC``) as the gate runs it on its first backend; the
+    records of each case and the number of traces."""
+    spec = specs.all_specs()[family]
+    name, ref = next(iter(spec.default_impls.items()))
+    impl = resolve_impl(ref)
     traces = []
 
-    @functools.wraps(impl)
+    # Named as the kernel (the cache key and helper types go by it), not marked as wrapping
+    # it: chex refuses to guard what looks like a jitted function (paged attention is one).
+    @functools.wraps(impl, updated=())
     def kernel(*args, **kwargs):
         traces.append(1)
         return impl(*args, **kwargs)
 
-    target = check.Target(spec, "builtin", chex.assert_max_traces(kernel, n=1), BACKENDS["xla"])
+    del kernel.__wrapped__
+
+    target = check.Target(spec, name, chex.assert_max_traces(kernel, n=1), BACKENDS[spec.backends_for(name)[0]])
     outcomes = []
-    for seed, values in CASES:
-        outcomes.append(check.check_case(target, spec.case(seed, values=values, **STATIC)).records)
+    for case in cases or [spec.case(seed, values=values, **STATIC) for seed, values in CASES]:
+        outcomes.append(check.check_case(target, case).records)
         between()
     return outcomes, len(traces)
 
@@ -75,3 +85,37 @@ def test_a_case_that_compiles_again_is_caught():
     assert [r.direction for r in second] == ["all"] and second[0].outcome == "error"
     assert "[Chex] Function 'blockwise_ffn' is traced > 1 times!" in second[0].reason, second[0].reason
     assert traces == 1  # chex stops the second trace before the kernel runs
+
+
+@pytest.mark.parametrize("family", sorted(specs.all_specs()))
+def test_a_variant_is_a_case_of_its_program(family):
+    spec = specs.all_specs()[family]
+    redrawn = []
+
+    @settings(settings.get_profile("ci"), max_examples=30)
+    @given(data=st.data())
+    def check_variant(data):
+        case = data.draw(spec.cases(), label="case")
+        variant = data.draw(spec.variants(case), label="variant")
+        assert type(variant.params) is type(case.params) and variant.family == case.family
+        assert spec.program(variant.params) == spec.program(case.params), (case, variant)
+        redrawn.append(variant.params != case.params)
+
+    check_variant()
+    # A family whose params hold data redraws it, not only the seed.
+    assert any(redrawn) or type(spec).other_data is specs.KernelSpec.other_data, f"{family}: no variant drew other data"
+
+
+@pytest.mark.usefixtures("fresh")
+@pytest.mark.parametrize("family", ["flash_attention", "paged_attention", "blockwise_ffn"])
+def test_a_drawn_case_s_variant_traces_its_kernel_no_more(family):
+    """The smallest case of the family and a variant of it with other data (not only
+    another seed), run as the gate's drawn part runs them."""
+    spec = specs.all_specs()[family]
+    ci = settings(settings.get_profile("ci"), database=None)
+    case = find(spec.cases(), lambda c: True, settings=ci)
+    variant = find(spec.variants(case), lambda v: v.params != case.params, settings=ci)
+    outcomes, traces = _run(family=family, cases=[case, variant])
+    for records in outcomes:
+        assert records and all(r.outcome == "pass" for r in records), [(r.direction, r.reason) for r in records]
+    assert traces == 1

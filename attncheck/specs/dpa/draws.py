@@ -1,6 +1,8 @@
-"""dot_product_attention's cases and their inputs, drawn."""
+"""dot_product_attention's cases, the data of a case's program and their inputs, drawn."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import hypothesis
 import numpy as np
@@ -24,22 +26,47 @@ def dpa_cases(draw) -> Case[DPAParams]:
     batch, t, s, n, k, h = draw(st.sampled_from(SHAPES))
     mask = draw(st.sampled_from(tuple(MASK_LAYOUTS)))
 
-    def lengths(full):
-        return st.none() | st.lists(st.integers(0, full), min_size=batch, max_size=batch).map(tuple)
-
     case = Case(FAMILY, DPAParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, q_len=t, kv_len=s, q_heads=n, kv_heads=k,
         head_dim=h, scale=draw(st.sampled_from(SCALES)), bias=draw(st.sampled_from(tuple(BIAS_LAYOUTS))),
-        mask=mask, mask_empties_rows=mask != "none" and draw(st.booleans()), is_causal=draw(st.booleans()),
-        window=draw(st.sampled_from(WINDOWS)), q_lengths=draw(lengths(t)), kv_lengths=draw(lengths(s)),
-        values=draw(st.sampled_from(VALUE_KINDS if s >= LARGE_VALUES_MIN_KV_LEN else ("normal",)))),
+        mask=mask, mask_empties_rows=_empties_rows(draw, mask), is_causal=draw(st.booleans()),
+        window=draw(st.sampled_from(WINDOWS)), q_lengths=draw(st.none() | _lengths(batch, t)),
+        kv_lengths=draw(st.none() | _lengths(batch, s)), values=_values(draw, s)),
         draw(S.seeds))
-    # Where no query row sees two keys, every gradient but dv is 0 by definition and
-    # rounding noise in any implementation (di = rowsum(dO * O) against dO . v): against
-    # an all-zero truth the tolerance floor is zero, and the case proves nothing. The
-    # top-left convention makes this common (a decode step under causal sees key 0 only).
-    hypothesis.assume((visibility(case.params, dpa_inputs(case).get("mask")).sum(axis=-1) >= 2).any())
+    hypothesis.assume(proves_something(case))
     return case
+
+
+# The draws of a case's data, shared by its first draw and its variants' (dpa_data).
+def _empties_rows(draw, mask: str) -> bool:
+    return mask != "none" and draw(st.booleans())
+
+
+def _lengths(batch: int, full: int) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.lists(st.integers(0, full), min_size=batch, max_size=batch).map(tuple)
+
+
+def _values(draw, kv_len: int) -> str:
+    return draw(st.sampled_from(VALUE_KINDS if kv_len >= LARGE_VALUES_MIN_KV_LEN else ("normal",)))
+
+
+@st.composite
+def dpa_data(draw, p: DPAParams) -> DPAParams:
+    """The params with another draw of what the function is given as data
+    (``DPASpec.program``): the values, the mask's emptied rows, the lengths given."""
+    return dataclasses.replace(
+        p, mask_empties_rows=_empties_rows(draw, p.mask), values=_values(draw, p.kv_len),
+        q_lengths=None if p.q_lengths is None else draw(_lengths(p.batch, p.q_len)),
+        kv_lengths=None if p.kv_lengths is None else draw(_lengths(p.batch, p.kv_len)))
+
+
+def proves_something(case: Case[DPAParams]) -> bool:
+    """Whether some query row sees two keys. Where none does, every gradient but dv is 0
+    by definition and rounding noise in any implementation (di = rowsum(dO * O) against
+    dO . v): against an all-zero truth the tolerance floor is zero, and the case proves
+    nothing. The top-left convention makes this common (a decode step under causal sees
+    key 0 only)."""
+    return bool((visibility(case.params, dpa_inputs(case).get("mask")).sum(axis=-1) >= 2).any())
 
 
 def dpa_inputs(case: Case[DPAParams]) -> dict[str, np.ndarray]:

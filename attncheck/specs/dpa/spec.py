@@ -13,7 +13,7 @@ from attncheck.cases import Case
 from attncheck.compiled import compiled, impl_key, with_vjp
 from attncheck.specs.base import BIAS_AXES, KernelSpec, resolve_impl
 from attncheck.specs.dpa.classes import BUG_CLASSES, CONTRACTS
-from attncheck.specs.dpa.draws import dpa_cases, dpa_inputs
+from attncheck.specs.dpa.draws import dpa_cases, dpa_data, dpa_inputs, proves_something
 from attncheck.specs.dpa.invalid import invalid_dpa_calls
 from attncheck.specs.dpa.params import FAMILY, TO_HEADS_MAJOR, DPAParams, _query_valid, effective_scale, visibility
 
@@ -49,6 +49,17 @@ class DPASpec(KernelSpec[DPAParams]):
     def cases(self):
         return dpa_cases()
 
+    def program(self, params):
+        # Values, masks and lengths are data; only whether they are given changes the program.
+        return dataclasses.replace(params, values="", mask_empties_rows=False,
+                                   q_lengths=params.q_lengths and (), kv_lengths=params.kv_lengths and ())
+
+    def other_data(self, params):
+        return dpa_data(params)
+
+    def variants(self, case):
+        return super().variants(case).filter(proves_something)
+
     def inputs(self, case):
         return dpa_inputs(case)
 
@@ -82,11 +93,8 @@ class DPASpec(KernelSpec[DPAParams]):
 
     def evaluate(self, impl, case, inputs):
         p = case.params
-        # Values, masks and lengths are data; only whether they are given changes the program.
-        static = dataclasses.replace(p, values="", mask_empties_rows=False,
-                                     q_lengths=p.q_lengths and (), kv_lengths=p.kv_lengths and ())
         primals, rest = self._operands(inputs)
-        fn = compiled((FAMILY, impl_key(impl), static), lambda: with_vjp(self._call(impl, p)))
+        fn = compiled((FAMILY, impl_key(impl), self.program(p)), lambda: with_vjp(self._call(impl, p)))
         out, grads = fn(primals, inputs["d_out"], *rest)
         return {d: np.asarray(r) for d, r in zip(self.directions, (out, *grads))}
 

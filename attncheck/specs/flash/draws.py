@@ -1,7 +1,9 @@
-"""Flash attention's hypothesis strategies: the cases and the block sizes of a shape."""
+"""Flash attention's hypothesis strategies: the cases, the data of a case's program and
+the block sizes of a shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from hypothesis import strategies as st
@@ -44,14 +46,34 @@ def flash_cases(draw) -> Case:
     batch, heads = draw(st.sampled_from(BATCH_HEADS()))
     seed = draw(S.seeds)
     bias = draw(st.booleans())
-    bias_values = draw(st.sampled_from(BIAS_VALUE_KINDS)) if bias else "normal"
+    bias_values = _bias_pattern(draw, bias)
     return Case(FAMILY, FlashParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), batch=batch, heads=heads,
         q_len=q_len, kv_len=kv_len, head_dim=head_dim, causal=causal,
         sm_scale=draw(st.sampled_from((1.0 / math.sqrt(head_dim), *SM_SCALES))),
         bias=bias, segments=segments,
-        segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
+        segment_starts=S.drawn_segment_layout(draw, segments, min(q_len, kv_len)),
         values=draw(st.sampled_from(VALUE_KINDS)), blocks=draw(block_sizes(q_len, kv_len, batch)),
-        bias_values=bias_values, emptied_row=draw(st.integers(0, q_len - 1)) if bias_values == "neg_inf_row" else None,
+        bias_values=bias_values, emptied_row=_emptied_row(draw, q_len, bias_values),
         segment_dtype=draw(st.sampled_from(SEGMENT_DTYPES)) if segments != "none" else "int32",
         vmem_limit_bytes=draw(st.sampled_from(VMEM_LIMITS))), seed)
+
+
+# The draws of a case's data, shared by its first draw and its variants' (each takes
+# ``draw``: a value fixed by the program is drawn from nothing).
+def _bias_pattern(draw, bias: bool) -> str:
+    return draw(st.sampled_from(BIAS_VALUE_KINDS)) if bias else "normal"
+
+
+def _emptied_row(draw, q_len: int, bias_values: str) -> int | None:
+    return draw(st.integers(0, q_len - 1)) if bias_values == "neg_inf_row" else None
+
+
+@st.composite
+def flash_data(draw, p: FlashParams) -> FlashParams:
+    """The params with another draw of what the kernel is given as data
+    (``FlashSpec.program``): the values, the ab pattern, the segment layout."""
+    bias_values = _bias_pattern(draw, p.bias)
+    return dataclasses.replace(p, values=draw(st.sampled_from(VALUE_KINDS)), bias_values=bias_values,
+                               segment_starts=S.drawn_segment_layout(draw, p.segments, min(p.q_len, p.kv_len)),
+                               emptied_row=_emptied_row(draw, p.q_len, bias_values))

@@ -14,7 +14,7 @@ from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, KernelSpec, accepted_keywords
 from attncheck.specs.flash.classes import BUG_CLASSES, CONTRACTS, segment_ids
-from attncheck.specs.flash.draws import flash_cases
+from attncheck.specs.flash.draws import flash_cases, flash_data
 from attncheck.specs.flash.invalid import invalid_flash_calls
 from attncheck.specs.flash.params import FAMILY, NEG_INF_KINDS, BlockSizes, FlashParams
 
@@ -65,6 +65,15 @@ class FlashSpec(KernelSpec[FlashParams]):
     def cases(self):
         return flash_cases()
 
+    def program(self, params):
+        # The values, the ab pattern and the segment layout are data; packed and absent
+        # segments differ only in their ids.
+        return dataclasses.replace(params, values="", segment_starts=(), bias_values="", emptied_row=None,
+                                   segments="none" if params.segments == "none" else "given")
+
+    def other_data(self, params):
+        return flash_data(params)
+
     def inputs(self, case: Case[FlashParams]) -> dict[str, np.ndarray]:
         p = case.params
         rng = np.random.default_rng(case.seed)
@@ -95,11 +104,8 @@ class FlashSpec(KernelSpec[FlashParams]):
 
     def evaluate(self, impl, case, inputs):
         p = case.params
-        # What forces a new compile: everything but the values and the segment layout.
-        static = dataclasses.replace(p, values="", segment_starts=(), bias_values="", emptied_row=None,
-                                     segments="none" if p.segments == "none" else "given")
         primals, rest = _operands(inputs)
-        fn = compiled(("flash", impl_key(impl), static), lambda: with_vjp(self._call(impl, p)))
+        fn = compiled(("flash", impl_key(impl), self.program(p)), lambda: with_vjp(self._call(impl, p)))
         out, grads = fn(primals, inputs["d_out"], *rest)
         return {n: np.asarray(r) for n, r in zip(self.directions, (out, *grads))}
 

@@ -16,7 +16,7 @@ from attncheck import strategies as S
 from attncheck.compiled import compiled, impl_key
 from attncheck.specs.base import MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, KernelSpec, accepted_keywords
 from attncheck.specs.paged.classes import BUG_CLASSES, CONTRACTS, EXPECTATIONS
-from attncheck.specs.paged.draws import paged_cases
+from attncheck.specs.paged.draws import paged_cases, paged_data
 from attncheck.specs.paged.invalid import invalid_paged_calls
 from attncheck.specs.paged.params import FAMILY, PagedParams
 
@@ -47,6 +47,13 @@ class PagedSpec(KernelSpec[PagedParams]):
 
     def cases(self):
         return paged_cases()
+
+    def program(self, params):
+        # Lengths, page tables and values are data.
+        return dataclasses.replace(params, lengths=(), values="")
+
+    def other_data(self, params):
+        return paged_data(params)
 
     def inputs(self, case):
         p = case.params
@@ -96,9 +103,7 @@ class PagedSpec(KernelSpec[PagedParams]):
                                              "page_indices"))
 
     def evaluate(self, impl, case, inputs):
-        # Lengths, page tables and values are data: one program per static configuration.
-        static = dataclasses.replace(case.params, lengths=(), values="")
-        fn = compiled((FAMILY, impl_key(impl), static), lambda: self._call(impl, case.params))
+        fn = compiled((FAMILY, impl_key(impl), self.program(case.params)), lambda: self._call(impl, case.params))
         return {"out": np.asarray(fn(*self._args(inputs)))}
 
     def lower(self, impl, case):

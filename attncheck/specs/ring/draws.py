@@ -1,6 +1,9 @@
-"""The ring families' draws: a case of each variant, and the ring flash kernel's block sizes."""
+"""The ring families' draws: a case of each variant, the data of a case's program, and the
+ring flash kernel's block sizes."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from hypothesis import strategies as st
 
@@ -38,7 +41,7 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), devices=devices, seq_len=seq, per_device=per_device,
         heads=draw(st.sampled_from((1, 2))), head_dim=draw(st.sampled_from(head_dims())), causal=draw(st.booleans()),
         bias=bias, segments=segments,
-        segment_starts=draw(S.segment_layout(seq)) if segments != "none" else (),
+        segment_starts=S.drawn_segment_layout(draw, segments, seq),
         float32_logits=draw(st.booleans()), values=draw(st.sampled_from(VALUE_KINDS)),
         batch=draw(st.sampled_from((1, 2))), sm_scale=sm_scale,
         placement=draw(st.sampled_from(PLACEMENTS)), check_vma=draw(st.booleans()),
@@ -55,3 +58,11 @@ def ring_cases(draw, family: str, per_device_lens: S.Shapes, head_dims: S.Shapes
     elif params_type is MaskedRingParams:
         params["random_mask"] = draw(st.booleans())
     return Case(family, params_type(**params), draw(S.seeds))
+
+
+@st.composite
+def ring_data(draw, p: RingParams) -> RingParams:
+    """The params with another draw of what the kernel is given as data
+    (``RingSpec.program``): the values and the segment layout."""
+    return dataclasses.replace(p, segment_starts=S.drawn_segment_layout(draw, p.segments, p.seq_len),
+                               values=draw(st.sampled_from(VALUE_KINDS)))

@@ -21,7 +21,7 @@ from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import ATTENTION_AXES, BIAS_AXES, KernelSpec
 from attncheck.specs.ring.classes import (BLOCKWISE_CLASSES, FLASH_CLASSES, RING_CLASSES, RING_CONTRACTS,
                                           STANDARD_CLASSES)
-from attncheck.specs.ring.draws import ring_cases
+from attncheck.specs.ring.draws import ring_cases, ring_data
 from attncheck.specs.ring.invalid import ring_invalid_calls, standard_invalid_calls
 from attncheck.specs.ring.params import (ABSENT_SEGMENT, AXIS_NAME, KEY_PADDING_BIAS, ChunkedRingParams,
                                          FlashRingParams, MaskedRingParams, RingParams)
@@ -41,6 +41,15 @@ class RingSpec(KernelSpec[RingParams]):
 
     def cases(self):
         return ring_cases(self.name, self.per_device_lens, self.head_dims, self.params_type, self.max_tokens)
+
+    def program(self, params):
+        # Not the values or the segment layout (packed and absent segments differ only in
+        # their ids); the seed is traced.
+        return dataclasses.replace(params, values="", segment_starts=(),
+                                   segments="none" if params.segments == "none" else "given")
+
+    def other_data(self, params):
+        return ring_data(params)
 
     def inputs(self, case):
         p = case.params
@@ -77,12 +86,8 @@ class RingSpec(KernelSpec[RingParams]):
     def evaluate(self, impl, case, inputs):
         p = case.params
         names = ("q", "k", "v") + (("bias",) if "bias" in inputs else ())
-        # What forces a new compile: not the values or the segment layout; the bias layout
-        # only through the operand's shape. The seed is traced.
-        static = dataclasses.replace(p, values="", segment_starts=(), bias="given" if "bias" in inputs else "none",
-                                     segments="given" if "q_segment_ids" in inputs else "none")
         call = self.call(impl, p)
-        fn = compiled(("ring", impl_key(impl), static),
+        fn = compiled(("ring", impl_key(impl), self.program(p)),
                       lambda: with_vjp(lambda *a: call(*a[:-2], extras=a[-2], seed=a[-1])))
         extras = {n: inputs[n] for n in self.EXTRAS if n in inputs}
         out, grads = fn(tuple(inputs[n] for n in names), inputs["d_out"], extras, np.uint32(case.seed))

@@ -1,6 +1,9 @@
-"""The strategies that draw a splash case: its block sizes, and the case."""
+"""The strategies that draw a splash case: its block sizes, the case, and the data of its
+program."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from hypothesis import strategies as st
 
@@ -45,7 +48,7 @@ def splash_cases(draw, *, shardings: tuple[tuple[int, int], ...] = SHARDINGS, pe
     return Case(FAMILY, SplashParams(
         dtype=draw(st.sampled_from(tuple(S.DTYPES))), api=api, heads=heads, kv_heads=kv_heads, q_len=q_len,
         kv_len=kv_len, head_dim=head_dim, v_head_dim=v_head_dim, masks=masks, segments=segments,
-        segment_starts=draw(S.segment_layout(min(q_len, kv_len))) if segments != "none" else (),
+        segment_starts=S.drawn_segment_layout(draw, segments, min(q_len, kv_len)),
         soft_cap=draw(st.sampled_from(SOFT_CAPS)),
         blocks=draw(block_sizes(q_len // q_seq_shards, kv_len, fused)), fused_bwd=fused,
         head_shards=head_shards, q_seq_shards=q_seq_shards, values=draw(st.sampled_from(S.VALUE_KINDS)),
@@ -53,3 +56,11 @@ def splash_cases(draw, *, shardings: tuple[tuple[int, int], ...] = SHARDINGS, pe
         layouts=tuple(draw(st.sampled_from(LAYOUTS)) for _ in "qkv"),
         segment_dtype=draw(st.sampled_from(("int32", "int16"))) if segments != "none" else "int32"),
         draw(S.seeds))
+
+
+@st.composite
+def splash_data(draw, p: SplashParams) -> SplashParams:
+    """The params with another draw of what the kernel is given as data
+    (``SplashSpec.program``): the values and the segment layout."""
+    return dataclasses.replace(p, segment_starts=S.drawn_segment_layout(draw, p.segments, min(p.q_len, p.kv_len)),
+                               values=draw(st.sampled_from(S.VALUE_KINDS)))

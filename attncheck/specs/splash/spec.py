@@ -18,7 +18,7 @@ from attncheck.compiled import compiled, impl_key, impl_module, with_vjp
 from attncheck.specs.base import MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, KernelSpec
 from attncheck.specs.splash.classes import (BUG_CLASSES, CONTRACTS, EXPECTATIONS, fully_masked_rows, head_masks,
                                             segment_ids)
-from attncheck.specs.splash.draws import splash_cases
+from attncheck.specs.splash.draws import splash_cases, splash_data
 from attncheck.specs.splash.invalid import invalid_splash_calls
 from attncheck.specs.splash.masks import build
 from attncheck.specs.splash.params import FAMILY, SplashParams
@@ -49,6 +49,13 @@ class SplashSpec(KernelSpec[SplashParams]):
 
     def cases(self):
         return splash_cases()
+
+    def program(self, params):
+        # Not the values, the seed or the segment layout.
+        return dataclasses.replace(params, values="", segment_starts=())
+
+    def other_data(self, params):
+        return splash_data(params)
 
     def inputs(self, case: Case[SplashParams]) -> dict[str, np.ndarray]:
         p = case.params
@@ -127,9 +134,7 @@ class SplashSpec(KernelSpec[SplashParams]):
 
     def evaluate(self, impl, case, inputs):
         p = case.params
-        # What forces a new compile: not the values, the seed or the segment layout.
-        static = dataclasses.replace(p, values="", segment_starts=())
-        fn = compiled((self.name, impl_key(impl), static), lambda: with_vjp(self._forward(impl, p)))
+        fn = compiled((self.name, impl_key(impl), self.program(p)), lambda: with_vjp(self._forward(impl, p)))
         out, (dq, dk, dv) = fn((inputs["q"], inputs["k"], inputs["v"]), inputs["d_out"],
                                inputs.get("q_segment_ids"), inputs.get("kv_segment_ids"))
         return {"out": np.asarray(out), "dq": np.asarray(dq), "dk": _with_head_axis(p, dk),
