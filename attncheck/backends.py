@@ -64,6 +64,13 @@ class Backend:
         return self.probe()
 
     @property
+    def reuses_programs(self) -> bool:
+        """Whether cases of one program with other data run on its compile: not where the
+        interpreter's settings rotate with the seed (each another program), nor where the
+        program is lowered, not run (a case with other data lowers it again)."""
+        return self.compares_numerics and not self.variants
+
+    @property
     def interprets(self) -> bool:
         """Runs kernels in Pallas TPU interpret mode."""
         return self.name.startswith("interpret")

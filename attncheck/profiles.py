@@ -20,6 +20,10 @@ from hypothesis.internal.constants_ast import Constants
 CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 # Examples per (spec, backend) are set by each spec for the ci profile; others scale them.
 PROFILE_SCALE = {"dev": 0.34, "ci": 1.0, "nightly": 8.0}
+# Of a gate test's drawn cases, how many share one program (KernelSpec.variants): in the
+# pull-request profiles a compile is most of a cold case's time; the nightly draws a program
+# per case, for the most static configurations.
+CASES_PER_PROGRAM = {"dev": 4, "ci": 4, "nightly": 1}
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, database=None, phases=CI_PHASES,
@@ -57,6 +61,11 @@ def examples_for(base: int) -> int:
     """Scale a spec's CI example count to the active hypothesis profile."""
     scale = PROFILE_SCALE.get(settings.get_current_profile_name(), 1.0)
     return max(1, round(base * scale))
+
+
+def cases_per_program() -> int:
+    """How many of the drawn cases share each drawn program, in the active profile."""
+    return CASES_PER_PROGRAM.get(settings.get_current_profile_name(), 1)
 
 
 def draw_seed(*names: str) -> int | None:

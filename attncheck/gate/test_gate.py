@@ -8,14 +8,16 @@ parametrizes both tests (``attncheck.selection``).
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
-from hypothesis import assume, given, seed, settings
+from hypothesis import given, seed, settings
+from hypothesis import strategies as st
 
 from attncheck import check, coverage, selection
 from attncheck.backends import BACKENDS
-from attncheck.profiles import draw_seed, examples_for
+from attncheck.profiles import cases_per_program, draw_seed, examples_for
 from attncheck.pytest_plugin import gate_run
 
 
@@ -67,13 +69,30 @@ def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attnche
 
     covered = {target.fit(case).id for case in coverage.examples(spec)} if gate_target.runs_coverage else set()
 
-    @settings(max_examples=examples_for(spec.examples_for(gate_target.backend_name)))
-    @given(case=spec.cases().map(target.fit))
-    def drawn(case):
-        assume(case.id not in covered)  # the coverage test runs those already
-        assume(target.backend.runs(case.params))
-        outcome = check_one(case)
-        assert not outcome.failures, outcome.summary()
+    def runnable(case) -> bool:
+        # The coverage test runs the covered cases already.
+        return case.id not in covered and target.backend.runs(case.params)
+
+    # Each example spends ``per_program`` cases on one compile: a drawn case, then cases of
+    # its program with other data. A case not verified in every direction (refused, or a
+    # declared deviation) spends one: its variants would mostly be refused alike, so
+    # another program is drawn instead.
+    per_program = cases_per_program() if target.backend.reuses_programs else 1
+    cases = examples_for(spec.examples_for(gate_target.backend_name))
+
+    @settings(max_examples=math.ceil(cases / per_program))
+    @given(data=st.data())
+    def drawn(data):
+        spent = 0
+        while spent < per_program:
+            case = data.draw(spec.cases().map(target.fit).filter(runnable), label="program")
+            while True:
+                outcome = check_one(case)
+                spent += 1
+                assert not outcome.failures, outcome.summary()
+                if spent == per_program or not outcome.records or not all(r.passed for r in outcome.records):
+                    break
+                case = data.draw(spec.variants(case).map(target.fit).filter(runnable), label="variant")
 
     fixed = draw_seed(spec.name, gate_target.backend_name)
     (drawn if fixed is None else seed(fixed)(drawn))()
