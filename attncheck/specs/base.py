@@ -164,11 +164,15 @@ class KernelSpec(abc.ABC, Generic[P]):
         params, for a family whose data is all in a case's seed)."""
         return st.just(params)
 
-    def variants(self, case: Case[P]) -> st.SearchStrategy[Case[P]]:
-        """Cases of ``case``'s program with other data and another seed: what the gate's
-        drawn part runs beside a drawn case instead of compiling another program
-        (``profiles.cases_per_program``)."""
-        return st.tuples(self.other_data(case.params), S.seeds).map(lambda drawn: Case(case.family, *drawn))
+    def variants(self, case: Case[P], count: int) -> st.SearchStrategy[list[Case[P]]]:
+        """``count`` cases of ``case``'s program with other data: what the gate's drawn
+        part runs beside a drawn case instead of compiling another program
+        (``profiles.cases_per_program``). Their seeds follow the case's, so that no variant
+        is the case again or another variant (a derandomized draw starts from the
+        simplest data, the case's own); a family may leave out a variant that would prove
+        nothing."""
+        return st.lists(self.other_data(case.params), min_size=count, max_size=count).map(
+            lambda drawn: [Case(case.family, params, (case.seed + n) % 2**32) for n, params in enumerate(drawn, 1)])
 
     def case(self, seed: int, **params) -> Case[P]:
         """A case of this family from keyword parameters."""

@@ -96,10 +96,12 @@ def test_a_variant_is_a_case_of_its_program(family):
     @given(data=st.data())
     def check_variant(data):
         case = data.draw(spec.cases(), label="case")
-        variant = data.draw(spec.variants(case), label="variant")
-        assert type(variant.params) is type(case.params) and variant.family == case.family
-        assert spec.program(variant.params) == spec.program(case.params), (case, variant)
-        redrawn.append(variant.params != case.params)
+        variants = data.draw(spec.variants(case, 3), label="variants")
+        assert len({c.id for c in (case, *variants)}) == 1 + len(variants)  # none is a case again
+        for variant in variants:
+            assert type(variant.params) is type(case.params) and variant.family == case.family
+            assert spec.program(variant.params) == spec.program(case.params), (case, variant)
+            redrawn.append(variant.params != case.params)
 
     check_variant()
     # A family whose params hold data redraws it, not only the seed.
@@ -114,7 +116,7 @@ def test_a_drawn_case_s_variant_traces_its_kernel_no_more(family):
     spec = specs.all_specs()[family]
     ci = settings(settings.get_profile("ci"), database=None)
     case = find(spec.cases(), lambda c: True, settings=ci)
-    variant = find(spec.variants(case), lambda v: v.params != case.params, settings=ci)
+    (variant,) = find(spec.variants(case, 1), lambda v: v[0].params != case.params, settings=ci)
     outcomes, traces = _run(family=family, cases=[case, variant])
     for records in outcomes:
         assert records and all(r.outcome == "pass" for r in records), [(r.direction, r.reason) for r in records]
