@@ -24,6 +24,10 @@ PROFILE_SCALE = {"dev": 0.34, "ci": 1.0, "nightly": 8.0}
 # pull-request profiles a compile is most of a cold case's time; the nightly draws a program
 # per case, for the most static configurations.
 CASES_PER_PROGRAM = {"dev": 4, "ci": 4, "nightly": 1}
+# But a test draws at least this many programs (or a program per case, where it draws
+# fewer cases): a spec that draws few cases still varies its static parameters (a run
+# fails a parameter it never varied, attncheck.parameters).
+MIN_PROGRAMS = 4
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, database=None, phases=CI_PHASES,
@@ -63,9 +67,10 @@ def examples_for(base: int) -> int:
     return max(1, round(base * scale))
 
 
-def cases_per_program() -> int:
-    """How many of the drawn cases share each drawn program, in the active profile."""
-    return CASES_PER_PROGRAM.get(settings.get_current_profile_name(), 1)
+def cases_per_program(cases: int) -> int:
+    """How many of a test's ``cases`` drawn cases share each drawn program, in the active
+    profile."""
+    return max(1, min(CASES_PER_PROGRAM.get(settings.get_current_profile_name(), 1), cases // MIN_PROGRAMS))
 
 
 def draw_seed(*names: str) -> int | None:

@@ -77,8 +77,8 @@ def test_kernel_matches_oracle(request, gate_target: selection.GateTest, attnche
     # its program with other data. A case not verified in every direction (refused, or a
     # declared deviation) spends one: its variants would mostly be refused alike, so
     # another program is drawn instead.
-    per_program = cases_per_program() if target.backend.reuses_programs else 1
     cases = examples_for(spec.examples_for(gate_target.backend_name))
+    per_program = cases_per_program(cases) if target.backend.reuses_programs else 1
 
     def verified(case) -> bool:
         outcome = check_one(case)
