@@ -35,8 +35,11 @@ CASES = ((1, "normal"), (2, "large"))
 @pytest.fixture
 def fresh(monkeypatch):
     """No compiled callable and no trace counted yet: the guarded kernel has the builtin's
-    cache key, so a callable compiled earlier in this process would serve it untraced."""
+    cache key, so a callable compiled earlier in this process would serve it untraced. Nor
+    are the programs let go for the process's memory mappings (a worker late in a run holds
+    many): that traces again on purpose, and is tested in test_reliability."""
     monkeypatch.setattr(compiled, "_COMPILED", {})
+    monkeypatch.setattr(check, "release_when_mappings_run_out", lambda: False)
     chex.clear_trace_counter()
     yield
     chex.clear_trace_counter()
