@@ -193,47 +193,90 @@ def search(spec: KernelSpec) -> list[Case]:
             case = first(cls, devices=case.params.device_count, examples=FEWER_DEVICES_EXAMPLES) or case
         found[cls.name] = case
     missing = [c for c in pairs if not any(exercises(c, f.params) for f in found.values())]
-    for case in _covering(spec, missing, exercises):
+    for case in _covering(spec, missing, exercises, list(found.values())):
         found[case.id] = case
     for cls in missing:
         if not any(exercises(cls, c.params) for c in found.values()) and (case := first(cls)) is not None:
             found[cls.name] = case
-    return list({c.id: c for c in found.values()}.values())
+    # Cases of one program side by side: a test runs a contiguous share of the examples
+    # (``Share``), and a program's cases in one test share one compile.
+    cases = list({c.id: c for c in found.values()}.values())
+    first_of = {}
+    for case in cases:
+        first_of.setdefault(spec.program(case.params), len(first_of))
+    return sorted(cases, key=lambda c: first_of[spec.program(c.params)])
 
 
-def _covering(spec: KernelSpec, classes: list[BugClass], exercises) -> list[Case]:
-    """Cases of one derandomized draw of the family's strategy that together exercise as many
-    of ``classes`` as it can: each next the one with the most not yet exercised per token it
-    runs (``Params.sequence_length``, times the devices squared: a ring of n runs n steps on
-    each of its n devices). Pair classes are many (every pair of
-    cells), and an example shrunk for each alone would be one case per pair; a drawn case
-    holds one cell of every partition, so a handful cover them."""
+def _covering(spec: KernelSpec, classes: list[BugClass], exercises, found: list[Case]) -> list[Case]:
+    """Cases that together exercise as many of ``classes`` as they can, from one
+    derandomized draw of the family's strategy and of cases of the programs already
+    chosen with other data (``KernelSpec.variants``: of the ``found`` examples, then of each
+    case chosen here): each next the one with the most not yet exercised per what it costs.
+    Pair classes are many (every pair of cells), and an example shrunk for each alone would
+    be one case per pair; a drawn case holds one cell of every partition, so a handful cover
+    them, and a pair with a cell of the data (a value distribution, a sequence layout) is
+    mostly a program already compiled with other data.
+
+    A case costs the tokens it runs (``Params.sequence_length``, times the devices squared:
+    a ring of n runs n steps on each of its n devices), and ``COMPILE_SHARE`` times more
+    where its program is not one already chosen: a gate's cold time is mostly compiles."""
     if not classes:
         return []
-    from hypothesis import HealthCheck, Phase, find, settings
-    from hypothesis.errors import NoSuchExample
+    from hypothesis import strategies as st
 
-    pool: list[Case] = []
-    try:  # the draw: a search for nothing, that keeps what it saw
-        find(spec.cases(), lambda c: pool.append(c) and False,
-             settings=settings(database=None, derandomize=True, max_examples=COVERING_DRAWS, deadline=None,
-                               phases=(Phase.generate,), suppress_health_check=list(HealthCheck)))
-    except NoSuchExample:
-        pass
-    reaches = [(case, {c.name for c in classes if exercises(c, case.params)}) for case in pool]
+    reaches: list[tuple[Case, set[str]]] = []
+
+    def reach(cases: Iterable[Case]) -> None:
+        reaches.extend((case, {c.name for c in classes if exercises(c, case.params)}) for case in cases)
+
+    def of_programs(cases: list[Case], draws: int) -> list[Case]:
+        return [v for vs in _drawn(st.sampled_from(cases).flatmap(lambda c: spec.variants(c, 1)), draws) for v in vs]
+
+    reach(_drawn(spec.cases(), COVERING_DRAWS))
+    if found:
+        reach(of_programs(found, COVERING_DRAWS))
+    programs = {spec.program(c.params) for c in found}
+
+    def cost(case: Case) -> float:
+        runs = max(1, case.params.sequence_length * case.params.device_count ** 2)
+        return runs * (1 if spec.program(case.params) in programs else COMPILE_SHARE)
+
     left, chosen = {c.name for c in classes}, []
     while left:
-        case, covered = max(reaches, key=lambda r: len(r[1] & left) / max(
-            1, r[0].params.sequence_length * r[0].params.device_count ** 2))
+        case, covered = max(reaches, key=lambda r: len(r[1] & left) / cost(r[0]))
         if not covered & left:
             break
         chosen.append(case)
         left -= covered
+        if spec.program(case.params) not in programs:
+            programs.add(spec.program(case.params))
+            reach(of_programs([case], VARIANT_DRAWS))
     return chosen
 
 
-# Draws of the strategy the pair classes' examples are chosen from (``_covering``).
+def _drawn(strategy, draws: int) -> list:
+    """What one derandomized draw of ``draws`` examples of ``strategy`` saw."""
+    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    seen: list = []
+    try:  # a search for nothing, that keeps what it saw
+        find(strategy, lambda drawn: seen.append(drawn) and False,
+             settings=settings(database=None, derandomize=True, max_examples=draws, deadline=None,
+                               phases=(Phase.generate,), suppress_health_check=list(HealthCheck)))
+    except NoSuchExample:
+        pass
+    return seen
+
+
+# Draws of the strategy, and of the found examples' programs with other data, that the pair
+# classes' examples are chosen from (``_covering``); and of each program chosen there.
 COVERING_DRAWS = 500
+VARIANT_DRAWS = 100
+# What a case of a program not yet compiled costs beside one of a program compiled already
+# (``_covering``): on the gate's backends a case's compile takes about ten times its run
+# (docs/DESIGN.md, "Where a cold gate's time goes").
+COMPILE_SHARE = 10
 
 
 # Draws in the search on fewer devices: the strategies draw hundreds a second, and a class

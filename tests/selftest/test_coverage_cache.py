@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from attncheck import bugclasses, cache_root, coverage, specs
@@ -157,3 +157,17 @@ def test_a_shipped_file_is_read_before_the_cache_and_searches_nothing(monkeypatc
         coverage.shipped_path(spec).read_text())["cases"]]
     assert not cached_files(tmp_path)
     coverage._examples.cache_clear()
+
+
+def test_a_pair_with_a_cell_of_the_data_is_covered_on_a_program_already_found(ci_shapes):
+    """The pair classes' cases are drawn from the found examples' programs with other data
+    as well as from the strategy, and a new program costs more: a value distribution
+    paired with a dtype compiles nothing the examples of each dtype did not."""
+    spec = specs.all_specs()["flash_attention"]
+    pairs = [c for c in spec.bug_classes if c.pair and c.name.startswith("values_")]
+    ci = settings(settings.get_profile("ci"), database=None)
+    found = [find(spec.cases(), lambda c, d=dtype: c.params.dtype == d and c.params.values == "normal", settings=ci)
+             for dtype in ("float32", "bfloat16")]
+    chosen = coverage._covering(spec, pairs, lambda cls, p: cls.applies(p), found)
+    assert [c.name for c in pairs if not any(c.applies(case.params) for case in chosen)] == []
+    assert {spec.program(c.params) for c in chosen} <= {spec.program(c.params) for c in found}
