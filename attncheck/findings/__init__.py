@@ -131,7 +131,10 @@ FINDINGS = (
            "bug_class:every_key_hidden"),
           ("kv_longer_than_mask", "a kernel built for a mask of K keys takes a call with more keys without an "
            "error (a FullMask then attends to every key)", "splash_attention_kernel.py 1183-1236",
-           "invalid_call:kv_longer_than_mask"))),
+           "invalid_call:kv_longer_than_mask"),
+          ("base2_exp_bf16", "use_base2_exp (the default) rounds q * log2(e) to bfloat16: with large logits out "
+           "and its gradients are about ten times further from exact than the natural-exp path's",
+           "splash_attention_kernel.py 722-726, 1800-1804, 1979-1985", "bug_class:base2_exp_large_bf16_logits"))),
     *(Finding(f"tpu_inference_v3_{name}", "ragged_paged_attention_v3", _V3, title, source, held_as,
               since="tpu-inference 0.32.0", package="tpu_inference", declared_in="tests/third_party/tpu_inference.toml",
               fetched_by="attncheck.third_party.tpu_inference")

@@ -138,6 +138,9 @@ class SplashConfigSpec(SplashSpec):
         diag_skip_over_visible_keys=_diag_skip_drops_visible_keys,
         diag_skip_kv_blocks_several=lambda p: bool(p.diag_skip) and p.blocks.block_kv < p.kv_len,
         dkv_reuse_scaled_q=lambda p: p.dkv_reuse_scaled_q,
+        # The base-2 path multiplies q by log2(e) in q's dtype: in bfloat16 that rounding is
+        # a relative error of the logits that large logits make large in the probabilities.
+        base2_exp_large_bf16_logits=lambda p: p.use_base2_exp and p.dtype == "bfloat16" and p.values == "large",
         every_key_hidden=lambda p: not classes.head_masks(p).any(),
     ) + bugclasses.numbers("soft_cap", lambda p: p.soft_cap, ("in (0, 1)", "one", "above 1")).classes + PAIRS
         + values_by_dtype() + bugclasses.presences(segment_ids=lambda p: p.segments != "none",
