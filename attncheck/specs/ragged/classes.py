@@ -15,10 +15,12 @@ from attncheck.specs.ragged.params import VALUE_KINDS, RaggedParams
 
 
 def empty_seq_before_another(p: RaggedParams) -> bool:
-    """A sequence with no query and no key comes before one with queries: the pipeline that
-    fetches the next sequence's pages must skip it, not serve its (absent) pages."""
-    empty = [i for i, (q, k) in enumerate(p.seqs) if q == 0 and k == 0]
-    return bool(empty) and any(q for q, _ in p.seqs[empty[0] + 1:])
+    """A sequence with no key (so no query) comes before one with keys: the pipeline that
+    fetches a sequence's first page while it computes the one before must skip it, neither
+    reading its page-table row (every slot unused: past the buffer, ``RaggedSpec.inputs``)
+    nor serving that page to the sequence after it."""
+    empty = [i for i, (_, k) in enumerate(p.seqs) if k == 0]
+    return bool(empty) and any(k for _, k in p.seqs[empty[0] + 1:])
 
 
 def some_query_sees_several_keys(p: RaggedParams) -> bool:

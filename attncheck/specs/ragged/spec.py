@@ -63,9 +63,11 @@ class RaggedSpec(KernelSpec[RaggedParams]):
         if p.values == S.SINK:
             queries += S.sink_margins(shapes.max_tokens * hq).reshape(shapes.max_tokens, hq, 1)
         queries[cu[num_seqs]:] = np.nan  # padding tokens
-        # Pages: a shuffled, non-contiguous allocation; everything unallocated is poison.
+        # Pages: a shuffled, non-contiguous allocation; everything unallocated is poison, and
+        # an unused page-table slot names no page, so that a read of one stops the
+        # interpreter on every draw, not only where a garbage index fell out of range.
         order = rng.permutation(shapes.total_pages)
-        page_indices = rng.integers(-3, 3 * shapes.total_pages,
+        page_indices = rng.integers(shapes.total_pages, 3 * shapes.total_pages,
                                     size=(shapes.max_seqs, shapes.pages_per_seq)).astype(np.int32)
         kv = np.full((shapes.total_pages, page_size, 2 * hkv, shapes.head_dim), _poison(kv_dt), dtype=np.float64)
         used = 0
