@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from attncheck import strategies as S
@@ -25,18 +27,33 @@ def sequence(draw, capacity: int, token_budget: int) -> tuple[int, int]:
     return min(draw(st.integers(1, kv_len - 1)), token_budget), kv_len
 
 
+def _seqs(draw, layout: str, page_size: int) -> tuple[tuple[int, int], ...]:
+    """The sequences of a batch that fits the layout's buffers."""
+    shapes = LAYOUTS[layout]
+    capacity = page_size * shapes.pages_per_seq
+    seqs, budget = [], shapes.max_tokens
+    for _ in range(draw(st.integers(1, shapes.max_seqs))):
+        q_len, kv_len = draw(sequence(capacity, budget))
+        budget -= q_len
+        seqs.append((q_len, kv_len))
+    return tuple(seqs)
+
+
+@st.composite
+def ragged_data(draw, p: RaggedParams) -> RaggedParams:
+    """The params with another draw of what the kernel is given as data
+    (``RaggedSpec.program``): the sequences, the metadata's padding and the values."""
+    return dataclasses.replace(p, seqs=_seqs(draw, p.layout, p.page_size), padding=draw(st.sampled_from(PADDING_KINDS)),
+                               values=draw(st.sampled_from(VALUE_KINDS)))
+
+
 @st.composite
 def ragged_cases(draw) -> Case:
     layout = draw(st.sampled_from(LAYOUT_NAMES()))
     shapes = LAYOUTS[layout]
     page_size = draw(st.sampled_from(PAGE_SIZES()))
     capacity = page_size * shapes.pages_per_seq
-    num_seqs = draw(st.integers(1, shapes.max_seqs))
-    seqs, budget = [], shapes.max_tokens
-    for _ in range(num_seqs):
-        q_len, kv_len = draw(sequence(capacity, budget))
-        budget -= q_len
-        seqs.append((q_len, kv_len))
+    seqs = _seqs(draw, layout, page_size)
     q_dtype, kv_dtype = draw(st.sampled_from(DTYPE_PAIRS))
     packed = kv_dtype not in S.DTYPES
     # A packed cache is quantized: it comes with both scales.
@@ -49,7 +66,7 @@ def ragged_cases(draw) -> Case:
     seed = draw(S.seeds)
     return Case(FAMILY, RaggedParams(
         dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
-        num_q_heads=heads[0], num_kv_heads=heads[1], seqs=tuple(seqs),
+        num_q_heads=heads[0], num_kv_heads=heads[1], seqs=seqs,
         sliding_window=window, soft_cap=draw(st.sampled_from(SOFT_CAPS)),
         k_scale=scales[0], v_scale=scales[1], sm_scale=draw(st.sampled_from((shapes.head_dim**-0.5, *SM_SCALES))),
         num_kv_pages_per_block=draw(st.sampled_from((None, 1, 3))),

@@ -3,6 +3,8 @@ yardstick and the kernel's call."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from attncheck import backends, oracle, parameters, yardstick
@@ -11,7 +13,7 @@ from attncheck.cases import Case
 from attncheck.layouts import ErrorMapLayout, every
 from attncheck.specs.base import MASK_VALUE_UNDERFLOWS, SOFT_CAP_IS_POSITIVE, KernelSpec, accepted_keywords
 from attncheck.specs.ragged.classes import BUG_CLASSES, CONTRACTS
-from attncheck.specs.ragged.draws import ragged_cases
+from attncheck.specs.ragged.draws import ragged_cases, ragged_data
 from attncheck.specs.ragged.invalid import invalid_ragged_calls
 from attncheck.specs.ragged.params import ARRAY_ARGS, FAMILY, KV_DTYPES, RaggedParams
 
@@ -46,6 +48,14 @@ class RaggedSpec(KernelSpec[RaggedParams]):
 
     def cases(self):
         return ragged_cases()
+
+    def program(self, params):
+        # The sequences and the metadata are arrays: the kernel's own jit compiles once per
+        # layout and options.
+        return dataclasses.replace(params, seqs=(), padding="", values="")
+
+    def other_data(self, params):
+        return ragged_data(params)
 
     def inputs(self, case):
         p = case.params
