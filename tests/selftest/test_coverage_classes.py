@@ -16,7 +16,9 @@ from attncheck.specs.flash.params import BLOCK_FIELDS, BlockSizes, FlashParams
 from attncheck.specs.paged.params import SHAPES as PAGED_SHAPES
 from attncheck.specs.paged.spec import SPEC as PAGED
 from attncheck.specs.ragged import classes as ragged_classes
+from attncheck.cases import Case
 from attncheck.specs.ragged.params import RaggedParams
+from attncheck.specs.ragged.spec import SPEC as RAGGED
 
 
 def ragged_case(seqs, *, window=None, heads=1, queries_per_block=None, kv_pages_per_block=None) -> RaggedParams:
@@ -70,6 +72,27 @@ def test_rows_end_in_different_kv_blocks_within_one_grid_step(seqs, queries_per_
 ])
 def test_logit_classes_need_a_softmax_over_several_keys(seqs, window, several):
     assert ragged_classes.some_query_sees_several_keys(ragged_case(seqs, window=window)) is several
+
+
+@pytest.mark.parametrize("seqs, before_another", [
+    (((0, 0), (1, 1)), True),
+    (((0, 0), (0, 5)), True),  # no query after it: the next sequence's first wait still takes its page
+    (((1, 1), (0, 0), (0, 0), (2, 9)), True),
+    (((3, 3), (0, 0)), False),  # last: its prefetched page is never waited for
+    (((0, 5), (1, 1)), False),  # keys, no query: not empty
+])
+def test_an_empty_sequence_shows_before_a_sequence_with_keys(seqs, before_another):
+    assert ragged_classes.empty_seq_before_another(ragged_case(seqs)) is before_another
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_unused_page_table_slot_names_a_page_past_the_buffer_on_every_draw(seed):
+    # So that a kernel reading one is stopped by the interpreter whatever the draw.
+    params = ragged_case(((0, 0), (3, 9), (1, 20)))
+    inputs = RAGGED.inputs(Case("ragged_paged_attention", params, seed))
+    total_pages = inputs["kv_pages"].shape[0]
+    for row, used in zip(inputs["page_indices"], (0, 2, 3, 0), strict=True):  # pages of 8 tokens
+        assert (row[:used] < total_pages).all() and (row[used:] >= total_pages).all(), row
 
 
 def flash_case(q_len, kv_len, *, causal=True, segment_starts=(), **blocks) -> FlashParams:
